@@ -1,0 +1,6 @@
+"""Backends of scaler-core, one private module per array library.
+
+Installed as ``scaler_core.backends``. Import nothing here: each backend loads
+lazily through :func:`scaler_core.get_backend` so that using NumPy never
+imports JAX or CuPy.
+"""

@@ -1,0 +1,279 @@
+"""The backend protocol, the backend registry and dispatch from arrays.
+
+A backend implements unscale and non-finite detection for one array library.
+Backends are looked up by name or from the arrays themselves: the leaf's type
+names its top-level module (``numpy``, ``cupy``, ``jax``/``jaxlib``), which is
+necessarily imported already, so dispatch never imports a library the user has
+not imported. Backend modules themselves load lazily, on first use.
+"""
+
+from __future__ import annotations
+
+import importlib
+import threading
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any, Protocol, runtime_checkable
+
+from ._errors import BackendUnavailableError, GradientTypeError
+from ._state import ScalerState
+from ._tree import leaves_with_paths
+
+__all__ = [
+    "Backend",
+    "available_backends",
+    "backend_for",
+    "get_backend",
+    "register_backend",
+]
+
+
+@runtime_checkable
+class Backend(Protocol):
+    """What every backend provides. The docstrings here are the contract.
+
+    Flags ("found" values) are whatever the library keeps on its device: a NumPy
+    bool for NumPy, a 0-d boolean array for CuPy and JAX. No method but
+    :meth:`to_bool` may synchronise with the host.
+    """
+
+    #: The name the backend is registered under (``"numpy"``, ``"jax"``...).
+    name: str
+
+    def unscale(self, grads: Any, scale: Any) -> tuple[Any, Any]:
+        """Multiply every gradient by ``inv_scale`` and report non-finite values.
+
+        ``inv_scale = f32(1 / f64(scale))`` as PyTorch computes it. float16 and
+        bfloat16 gradients are computed in float32 and written back in their own
+        dtype; float64 gradients are multiplied in float64. The flag is true if
+        any element, as stored after unscaling, is NaN or +-inf. Every leaf is
+        validated before any is modified.
+
+        Args:
+            grads: A gradient tree (nested dicts, lists, tuples; ``None`` leaves
+                skipped; a JAX pytree for JAX).
+            scale: The current scale: a Python float, or a 0-d float32 array of
+                this backend's library (a device state's ``scale``).
+
+        Returns:
+            ``(grads, found)``: the same tree modified in place where the library
+            allows it (NumPy, CuPy), a new tree where it does not (JAX), and one
+            flag for all gradients.
+
+        Raises:
+            GradientTypeError: A leaf is not an array of this library, or has an
+                integer, bool, complex or object dtype.
+            GradientValueError: A leaf is read-only, or ``scale`` is not a
+                positive normal float32.
+        """
+        ...
+
+    def find_non_finite(self, grads: Any) -> Any:
+        """Detection alone, for static-scale and bfloat16 training: the flag only.
+
+        Reads each element once; modifies nothing. Same validation as
+        :meth:`unscale`.
+        """
+        ...
+
+    def scale_loss(self, loss: Any, scale: Any) -> Any:
+        """``loss * scale`` (float32 scale), computed on the loss's device."""
+        ...
+
+    def select(self, found: Any, on_skip: Any, on_step: Any) -> Any:
+        """``on_skip`` where ``found`` is true, else ``on_step``, leaf by leaf.
+
+        Used to keep parameters and optimizer state bit-identical on a skipped
+        step: compute the updated trees, then select. Both trees must have the
+        same structure.
+        """
+        ...
+
+    def any(self, *flags: Any) -> Any:
+        """The logical OR of several flags (several groups, micro-batches)."""
+        ...
+
+    def to_bool(self, found: Any) -> bool:
+        """The flag as a Python bool: the one deliberate host synchronisation."""
+        ...
+
+    def update(self, state: ScalerState, found: Any) -> ScalerState:
+        """One transition of ``state`` (see :func:`scaler_core.update`).
+
+        Host backends raise on a failing step; device backends record the
+        failure in the state without a host synchronisation.
+        """
+        ...
+
+
+@dataclass(frozen=True)
+class _Entry:
+    loader: Callable[[], Backend]
+    array_modules: tuple[str, ...]
+
+
+_REGISTRY: dict[str, _Entry] = {}
+_LOADED: dict[str, Backend] = {}
+_TYPE_CACHE: dict[type, str] = {}
+_LOCK = threading.Lock()
+
+
+def register_backend(
+    name: str,
+    loader: Callable[[], Backend],
+    *,
+    array_modules: Iterable[str] = (),
+    replace: bool = False,
+) -> None:
+    """Register a backend so it can be found by name and from its arrays.
+
+    Third-party array libraries plug in here without editing scaler-core.
+
+    Args:
+        name: The backend's name, as passed to ``get_backend`` or ``backend=``.
+        loader: Called once, on first use, to build the backend. Import the
+            array library inside it, not at registration.
+        array_modules: Top-level module names whose array types this backend
+            owns (``type(x).__module__`` up to the first dot).
+        replace: Allow replacing an existing registration.
+
+    Raises:
+        ValueError: ``name`` is taken (and ``replace`` is false), or a module is
+            already owned by another backend.
+
+    >>> register_backend("mylib", lambda: get_backend("numpy"), array_modules=["mylib"])
+    >>> get_backend("mylib").name
+    'numpy'
+    """
+    if not isinstance(name, str) or not name:
+        raise BackendUnavailableError(f"name={name!r}, but it must be a non-empty str")
+    modules = tuple(array_modules)
+    with _LOCK:
+        if name in _REGISTRY and not replace:
+            raise ValueError(
+                f"name={name!r} is already a registered backend; pass replace=True to replace it"
+            )
+        for other, entry in _REGISTRY.items():
+            clash = set(entry.array_modules) & set(modules)
+            if other != name and clash:
+                raise ValueError(
+                    f"array_modules={sorted(clash)!r} already belong to backend {other!r}"
+                )
+        _REGISTRY[name] = _Entry(loader, modules)
+        _LOADED.pop(name, None)
+        _TYPE_CACHE.clear()
+
+
+def _load_module_backend(module: str) -> Callable[[], Backend]:
+    def load() -> Backend:
+        return importlib.import_module(module).BACKEND  # type: ignore[no-any-return]
+
+    return load
+
+
+register_backend(
+    "numpy", _load_module_backend("scaler_core.backends._numpy"), array_modules=["numpy"]
+)
+register_backend("cupy", _load_module_backend("scaler_core.backends._cupy"), array_modules=["cupy"])
+register_backend(
+    "jax", _load_module_backend("scaler_core.backends._jax"), array_modules=["jax", "jaxlib"]
+)
+
+
+def get_backend(name: str | Backend = "numpy") -> Backend:
+    """The backend registered as ``name`` (a :class:`Backend` passes through).
+
+    Raises:
+        BackendUnavailableError: ``name`` is unknown, or its library is not
+            installed (the message says what to install).
+    """
+    if not isinstance(name, str):
+        if isinstance(name, Backend):
+            return name
+        raise BackendUnavailableError(
+            f"backend={name!r}, but it must be a backend name {sorted(_REGISTRY)!r} or a Backend"
+        )
+    loaded = _LOADED.get(name)
+    if loaded is not None:
+        return loaded
+    entry = _REGISTRY.get(name)
+    if entry is None:
+        raise BackendUnavailableError(
+            f"backend={name!r} is not registered; known backends: {sorted(_REGISTRY)!r} "
+            f"(third-party backends register with scaler_core.register_backend)"
+        )
+    try:
+        backend = entry.loader()
+    except ImportError as exc:
+        if isinstance(exc, BackendUnavailableError):
+            raise
+        raise BackendUnavailableError(
+            f"backend={name!r} is unavailable: {exc}. Install it with "
+            f"pip install 'scaler-core[{name}]'"
+        ) from exc
+    with _LOCK:
+        _LOADED[name] = backend
+    return backend
+
+
+def available_backends() -> list[str]:
+    """Names of the registered backends that load on this machine."""
+    out = []
+    for name in sorted(_REGISTRY):
+        try:
+            get_backend(name)
+        except BackendUnavailableError:
+            continue
+        out.append(name)
+    return out
+
+
+def _backend_name_of(value: Any) -> str | None:
+    typ = type(value)
+    name = _TYPE_CACHE.get(typ)
+    if name is None:
+        top = typ.__module__.partition(".")[0]
+        for candidate, entry in _REGISTRY.items():
+            if top in entry.array_modules:
+                name = candidate
+                break
+        else:
+            return None
+        _TYPE_CACHE[typ] = name
+    return name
+
+
+def backend_for(*trees: Any, default: str = "numpy") -> Backend:
+    """The backend that owns every leaf of ``trees``.
+
+    Trees with no leaves at all get ``default``.
+
+    Raises:
+        GradientTypeError: A leaf belongs to no registered backend, or leaves
+            come from two array libraries.
+    """
+    found: str | None = None
+    first_path = ""
+    for i, tree in enumerate(trees):
+        root = "grads" if len(trees) == 1 else f"trees[{i}]"
+        for path, leaf in leaves_with_paths(tree, root):
+            name = _backend_name_of(leaf)
+            if name is None:
+                raise GradientTypeError(
+                    f"{path} is a {type(leaf).__module__}.{type(leaf).__qualname__}, which no "
+                    f"backend handles; pass arrays of a supported library "
+                    f"{sorted(_REGISTRY)!r} or register a backend for it"
+                )
+            if found is None:
+                found, first_path = name, path
+            elif name != found:
+                raise GradientTypeError(
+                    f"{path} is a {name} array but {first_path} is a {found} array; one call "
+                    f"takes arrays of one library: convert them, or make one call per library"
+                )
+    return get_backend(found or default)
+
+
+def resolve_backend(backend: str | Backend | None, *trees: Any) -> Backend:
+    """``backend`` by name, or the one the trees' arrays belong to."""
+    return backend_for(*trees) if backend is None else get_backend(backend)

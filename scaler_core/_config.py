@@ -1,0 +1,206 @@
+"""The frozen, validated scaler configuration.
+
+Validation happens in the constructor with explicit raises (never ``assert``,
+which ``python -O`` strips), so ``dataclasses.replace`` re-validates too. Every
+message names the field, the value seen and what is accepted.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import numbers
+from typing import Any, Literal
+
+from ._errors import InvalidConfigError
+from ._f32 import FLT_MAX, FLT_MIN, INT32_MAX, f32, is_f32_exact
+
+__all__ = ["AtMinScale", "HysteresisRefill", "ScalerConfig"]
+
+AtMinScale = Literal["hold", "raise"]
+HysteresisRefill = Literal["on_growth", "on_clean_step"]
+
+_AT_MIN_SCALE = ("hold", "raise")
+_HYSTERESIS_REFILL = ("on_growth", "on_clean_step")
+
+
+def _fail(name: str, value: object, must: str) -> InvalidConfigError:
+    return InvalidConfigError(f"{name}={value!r}, but it must be {must}")
+
+
+def _real(name: str, value: object, must: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise _fail(name, value, must)
+    try:
+        out = float(value)
+    except (OverflowError, ValueError):
+        raise _fail(name, value, must) from None
+    if not math.isfinite(out):
+        raise _fail(name, value, must)
+    return out
+
+
+def _int(name: str, value: object, low: int, must: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise _fail(name, value, must)
+    out = int(value)
+    if not low <= out <= INT32_MAX:
+        raise _fail(name, value, must)
+    return out
+
+
+def _scale(name: str, value: object) -> float:
+    must = f"a finite float32 normal number in [{FLT_MIN!r}, {FLT_MAX!r}]"
+    out = f32(_real(name, value, must))
+    if not FLT_MIN <= out <= FLT_MAX:
+        raise _fail(name, value, must)
+    return out
+
+
+def _factor(name: str, value: object, low: float, high: float, interval: str) -> float:
+    must = f"a finite float32 value in {interval}"
+    out = _real(name, value, must)
+    if not (low < out < high and out <= FLT_MAX):
+        raise _fail(name, value, must)
+    if not is_f32_exact(out):
+        # The device transitions multiply in float32; only a float32 factor gives
+        # the same product there as PyTorch's float64-then-round on the host.
+        raise _fail(
+            name,
+            value,
+            f"exactly representable in float32 so every backend rounds alike; use {f32(out)!r}",
+        )
+    return out
+
+
+@dataclasses.dataclass(frozen=True)
+class ScalerConfig:
+    """How the loss scale evolves. Frozen; validated when built.
+
+    The defaults reproduce ``torch.amp.GradScaler`` exactly. Scales are stored
+    as float32 values (as PyTorch stores them), so ``init_scale=0.1`` is kept as
+    ``0.10000000149011612``.
+
+    Args:
+        init_scale: The first scale. A finite, normal float32 value.
+        growth_factor: Multiplier applied after ``growth_interval`` clean steps.
+            Finite, > 1.0, exactly representable in float32.
+        backoff_factor: Multiplier applied on a backoff. In (0.0, 1.0), exactly
+            representable in float32.
+        growth_interval: Consecutive clean steps before the scale grows (>= 1).
+        min_scale: Optional floor (jmp, flax, DeepSpeed, Megatron). A backoff
+            never goes below it.
+        max_scale: Optional ceiling (apex, MXNet). The scale never grows past it.
+        at_min_scale: What a backoff does when the scale already sits at
+            ``min_scale``: ``"hold"`` keeps it there, ``"raise"`` fails closed
+            with :class:`ScaleCollapseError` (DeepSpeed's
+            ``raise_error_at_min_scale``). Needs ``min_scale``.
+        hysteresis: Overflows needed before a backoff (Megatron, DeepSpeed
+            ``delayed_shift``); 1 (the default) backs off on every overflow.
+        hysteresis_refill: When the hysteresis budget refills: ``"on_growth"``
+            (Megatron and DeepSpeed's default) or ``"on_clean_step"`` (DeepSpeed's
+            ``consecutive_hysteresis=True``).
+        max_consecutive_skips: Optional limit on consecutive skipped steps; the
+            step past it fails closed with :class:`SkipLimitError`.
+        dynamic: ``False`` holds the scale at ``init_scale`` forever (a static
+            scale) while non-finite gradients are still detected and skipped.
+
+    Raises:
+        InvalidConfigError: A field is out of range or of the wrong type.
+
+    >>> ScalerConfig().growth_interval
+    2000
+    >>> try:
+    ...     ScalerConfig(growth_interval=0)
+    ... except ValueError as e:
+    ...     print(e)
+    growth_interval=0, but it must be an int in [1, 2147483647]
+    """
+
+    init_scale: float = 2.0**16
+    growth_factor: float = 2.0
+    backoff_factor: float = 0.5
+    growth_interval: int = 2000
+    min_scale: float | None = None
+    max_scale: float | None = None
+    at_min_scale: AtMinScale = "hold"
+    hysteresis: int = 1
+    hysteresis_refill: HysteresisRefill = "on_growth"
+    max_consecutive_skips: int | None = None
+    dynamic: bool = True
+
+    def __post_init__(self) -> None:
+        put = object.__setattr__
+        put(self, "init_scale", _scale("init_scale", self.init_scale))
+        put(
+            self,
+            "growth_factor",
+            _factor("growth_factor", self.growth_factor, 1.0, math.inf, f"(1.0, {FLT_MAX!r}]"),
+        )
+        put(
+            self,
+            "backoff_factor",
+            _factor(
+                "backoff_factor", self.backoff_factor, 0.0, 1.0, "the open interval (0.0, 1.0)"
+            ),
+        )
+        put(
+            self,
+            "growth_interval",
+            _int("growth_interval", self.growth_interval, 1, f"an int in [1, {INT32_MAX}]"),
+        )
+        if self.min_scale is not None:
+            put(self, "min_scale", _scale("min_scale", self.min_scale))
+            if self.min_scale > self.init_scale:
+                raise _fail("min_scale", self.min_scale, f"<= init_scale={self.init_scale!r}")
+        if self.max_scale is not None:
+            put(self, "max_scale", _scale("max_scale", self.max_scale))
+            if self.max_scale < self.init_scale:
+                raise _fail("max_scale", self.max_scale, f">= init_scale={self.init_scale!r}")
+        if self.at_min_scale not in _AT_MIN_SCALE:
+            raise _fail("at_min_scale", self.at_min_scale, "'hold' or 'raise'")
+        if self.at_min_scale == "raise" and self.min_scale is None:
+            raise _fail(
+                "at_min_scale",
+                self.at_min_scale,
+                "'hold' unless min_scale is set (there is no floor)",
+            )
+        put(
+            self,
+            "hysteresis",
+            _int("hysteresis", self.hysteresis, 1, f"an int in [1, {INT32_MAX}]"),
+        )
+        if self.hysteresis_refill not in _HYSTERESIS_REFILL:
+            raise _fail(
+                "hysteresis_refill", self.hysteresis_refill, "'on_growth' or 'on_clean_step'"
+            )
+        if self.max_consecutive_skips is not None:
+            put(
+                self,
+                "max_consecutive_skips",
+                _int(
+                    "max_consecutive_skips",
+                    self.max_consecutive_skips,
+                    0,
+                    f"None or an int in [0, {INT32_MAX}]",
+                ),
+            )
+        if not isinstance(self.dynamic, bool):
+            raise _fail("dynamic", self.dynamic, "a bool")
+
+    @classmethod
+    def static(cls, scale: float = 1.0, **kwargs: Any) -> ScalerConfig:
+        """A fixed scale that never changes; non-finite steps are still skipped.
+
+        ``ScalerConfig.static()`` (scale 1.0) is the no-op mode for bfloat16 or
+        float32 training: nothing is multiplied, non-finite gradients are still
+        detected and the step skipped.
+
+        >>> ScalerConfig.static(1024.0).dynamic
+        False
+        """
+        return cls(init_scale=scale, dynamic=False, **kwargs)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The fields as a JSON-safe dict (``ScalerConfig(**d)`` rebuilds it)."""
+        return dataclasses.asdict(self)

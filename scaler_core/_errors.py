@@ -1,0 +1,67 @@
+"""One error hierarchy, rooted at :class:`ScalerError`.
+
+Every class also derives from the built-in exception a caller would naturally
+catch (``ValueError`` for bad values, ``TypeError`` for bad types, ...), so
+``except ValueError`` keeps working for code that does not know this library.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "BackendUnavailableError",
+    "GradientTypeError",
+    "GradientValueError",
+    "InvalidConfigError",
+    "InvalidGradientError",
+    "InvalidStateError",
+    "LifecycleError",
+    "ScaleCollapseError",
+    "ScalerError",
+    "SkipLimitError",
+]
+
+
+class ScalerError(Exception):
+    """Root of every error raised by scaler-core."""
+
+
+class InvalidConfigError(ScalerError, ValueError):
+    """A configuration field is out of range or of the wrong type."""
+
+
+class InvalidStateError(ScalerError, ValueError):
+    """A state or a serialised state (checkpoint) is malformed or out of range."""
+
+
+class ScaleCollapseError(ScalerError, ArithmeticError):
+    """The scaler refused a transition that would leave it unable to train.
+
+    Raised instead of producing a scale of 0, a float32 subnormal or a
+    non-finite value, when a backoff is demanded at a floor configured to fail
+    closed, and (as :class:`SkipLimitError`) past the consecutive-skip limit.
+    The caller's state is never modified when this is raised.
+    """
+
+
+class SkipLimitError(ScaleCollapseError):
+    """More consecutive steps were skipped than ``max_consecutive_skips`` allows."""
+
+
+class LifecycleError(ScalerError, RuntimeError):
+    """The step lifecycle was used out of order (for example unscaling twice)."""
+
+
+class InvalidGradientError(ScalerError):
+    """A gradient leaf cannot be unscaled or checked. Base of the two below."""
+
+
+class GradientTypeError(InvalidGradientError, TypeError):
+    """A gradient leaf has an unsupported type or dtype, or libraries are mixed."""
+
+
+class GradientValueError(InvalidGradientError, ValueError):
+    """A gradient leaf has a supported type but cannot be used (e.g. read-only)."""
+
+
+class BackendUnavailableError(ScalerError, ImportError):
+    """The requested backend is unknown, or its array library is not installed."""

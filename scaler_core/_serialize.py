@@ -1,0 +1,207 @@
+"""State in and out: a versioned JSON-safe dict, and PyTorch's state_dict.
+
+Loading validates exactly as construction does, and builds nothing until every
+check has passed: a bad checkpoint raises :class:`InvalidStateError` and leaves
+nothing half-loaded.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import numbers
+from collections.abc import Mapping
+from typing import Any
+
+from ._config import ScalerConfig
+from ._errors import InvalidConfigError, InvalidStateError
+from ._f32 import INT32_MAX, f32, is_normal_f32
+from ._state import DATA_FIELDS, ScalerState
+
+__all__ = [
+    "SCHEMA",
+    "SCHEMA_VERSION",
+    "from_dict",
+    "from_torch_state_dict",
+    "to_dict",
+    "to_torch_state_dict",
+]
+
+SCHEMA = "scaler_core.state"
+SCHEMA_VERSION = 1
+_TORCH_KEYS = ("scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker")
+_CONFIG_FIELDS = tuple(f.name for f in dataclasses.fields(ScalerConfig))
+
+
+def to_dict(state: ScalerState) -> dict[str, Any]:
+    """The state as a JSON-safe dict with a schema name and version.
+
+    A device state is read back to the host first; a recorded failure raises.
+
+    >>> from scaler_core import init
+    >>> d = to_dict(init())
+    >>> d["schema"], d["version"], d["state"]["scale"]
+    ('scaler_core.state', 1, 65536.0)
+    """
+    host = state.to_host()
+    return {
+        "schema": SCHEMA,
+        "version": SCHEMA_VERSION,
+        "config": host.config.to_dict(),
+        "state": {name: getattr(host, name) for name in DATA_FIELDS if name != "failure"},
+    }
+
+
+def _bad(where: str, value: object, must: str) -> InvalidStateError:
+    return InvalidStateError(f"{where}={value!r}, but it must be {must}")
+
+
+def _mapping(where: str, data: object) -> Mapping[str, Any]:
+    if not isinstance(data, Mapping):
+        raise _bad(where, data, "a dict")
+    if not data:
+        raise _bad(where, data, "a non-empty dict (was the checkpoint saved empty?)")
+    return data
+
+
+def _exact_keys(where: str, data: Mapping[str, Any], keys: tuple[str, ...]) -> None:
+    missing = [k for k in keys if k not in data]
+    extra = sorted(repr(k) for k in data if k not in keys)
+    if missing or extra:
+        raise InvalidStateError(
+            f"{where} has missing keys {missing!r} and unknown keys [{', '.join(extra)}]; "
+            f"expected exactly {list(keys)!r}"
+        )
+
+
+def _int_field(where: str, value: object, low: int, high: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise _bad(where, value, f"an int in [{low}, {high}]")
+    if not low <= int(value) <= high:
+        raise _bad(where, value, f"an int in [{low}, {high}]")
+    return int(value)
+
+
+def _scale_field(where: str, value: object, config: ScalerConfig) -> float:
+    low = config.min_scale
+    high = config.max_scale
+    must = (
+        f"a positive, finite, normal float32 in [{low if low is not None else 'FLT_MIN'}, "
+        f"{high if high is not None else 'FLT_MAX'}]"
+    )
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise _bad(where, value, must)
+    try:
+        scale = f32(float(value))
+    except (OverflowError, ValueError):
+        raise _bad(where, value, must) from None
+    if not is_normal_f32(scale):
+        raise _bad(where, value, must)
+    if (low is not None and scale < low) or (high is not None and scale > high):
+        raise _bad(where, value, must)
+    return scale
+
+
+def _config(where: str, data: object) -> ScalerConfig:
+    fields = _mapping(where, data)
+    _exact_keys(where, fields, _CONFIG_FIELDS)
+    try:
+        return ScalerConfig(**fields)
+    except InvalidConfigError as exc:
+        raise InvalidStateError(f"{where}: {exc}") from exc
+
+
+def from_dict(data: Mapping[str, Any]) -> ScalerState:
+    """Rebuild a state saved by :func:`to_dict`, validating every field.
+
+    Raises:
+        InvalidStateError: ``data`` is empty, partial, of another schema or
+            version, wrongly typed, or out of range; the message names the key.
+
+    >>> from scaler_core import init
+    >>> from_dict(to_dict(init())) == init()
+    True
+    """
+    data = _mapping("checkpoint", data)
+    _exact_keys("checkpoint", data, ("schema", "version", "config", "state"))
+    if data["schema"] != SCHEMA:
+        raise _bad("checkpoint['schema']", data["schema"], repr(SCHEMA))
+    if data["version"] != SCHEMA_VERSION or isinstance(data["version"], bool):
+        raise _bad(
+            "checkpoint['version']",
+            data["version"],
+            f"{SCHEMA_VERSION} (this scaler-core reads version {SCHEMA_VERSION}; upgrade it)",
+        )
+    config = _config("checkpoint['config']", data["config"])
+    fields = _mapping("checkpoint['state']", data["state"])
+    keys = tuple(name for name in DATA_FIELDS if name != "failure")
+    _exact_keys("checkpoint['state']", fields, keys)
+
+    def w(key: str) -> str:
+        return f"checkpoint['state'][{key!r}]"
+
+    scale = _scale_field(w("scale"), fields["scale"], config)
+    growth = _int_field(
+        w("growth_tracker"), fields["growth_tracker"], 0, config.growth_interval - 1
+    )
+    hyst = _int_field(w("hysteresis_tracker"), fields["hysteresis_tracker"], 1, config.hysteresis)
+    steps = _int_field(w("steps"), fields["steps"], 0, INT32_MAX)
+    skipped = _int_field(w("skipped_steps"), fields["skipped_steps"], 0, steps)
+    limit = (
+        skipped
+        if config.max_consecutive_skips is None
+        else min(skipped, config.max_consecutive_skips)
+    )
+    consec = _int_field(w("consecutive_skips"), fields["consecutive_skips"], 0, limit)
+    if not config.dynamic and scale != config.init_scale:
+        raise _bad(w("scale"), scale, f"init_scale={config.init_scale!r} for a static config")
+    return ScalerState(config, scale, growth, hyst, steps, skipped, consec, 0)
+
+
+def to_torch_state_dict(state: ScalerState) -> dict[str, Any]:
+    """The state in the format of ``torch.amp.GradScaler.state_dict()``.
+
+    Only PyTorch's fields survive; knobs PyTorch lacks (floors, hysteresis, ...)
+    are not representable there and are dropped.
+    """
+    host = state.to_host()
+    cfg = host.config
+    return {
+        "scale": host.scale,
+        "growth_factor": cfg.growth_factor,
+        "backoff_factor": cfg.backoff_factor,
+        "growth_interval": cfg.growth_interval,
+        "_growth_tracker": host.growth_tracker,
+    }
+
+
+def from_torch_state_dict(
+    data: Mapping[str, Any], config: ScalerConfig | None = None
+) -> ScalerState:
+    """A state from ``torch.amp.GradScaler.state_dict()``.
+
+    The factors and interval come from ``data``; every other knob from
+    ``config`` (defaults when omitted). ``init_scale`` becomes the saved scale.
+
+    Raises:
+        InvalidStateError: ``data`` is empty (a disabled GradScaler saves
+            ``{}``), partial, wrongly typed or out of range.
+    """
+    data = _mapping("state_dict", data)
+    _exact_keys("state_dict", data, _TORCH_KEYS)
+    base = ScalerConfig() if config is None else config
+    if not isinstance(base, ScalerConfig):
+        raise _bad("config", base, "a ScalerConfig or None")
+    try:
+        cfg = dataclasses.replace(
+            base,
+            init_scale=data["scale"],
+            growth_factor=data["growth_factor"],
+            backoff_factor=data["backoff_factor"],
+            growth_interval=data["growth_interval"],
+        )
+    except InvalidConfigError as exc:
+        raise InvalidStateError(f"state_dict: {exc}") from exc
+    growth = _int_field(
+        "state_dict['_growth_tracker']", data["_growth_tracker"], 0, cfg.growth_interval - 1
+    )
+    return ScalerState(cfg, cfg.init_scale, growth, cfg.hysteresis, 0, 0, 0, 0)

@@ -1,0 +1,437 @@
+"""The scaler state and every rule of its transition.
+
+Theory of operation
+-------------------
+A :class:`ScalerState` holds a float32 ``scale`` and int32 counters. One step is
+one call of ``update(state, found_non_finite)``; it first *classifies* the step
+into a :class:`StepKind`, then applies that kind. The rules:
+
+* Clean step, dynamic scale: ``growth_tracker += 1``. When it reaches
+  ``growth_interval`` the candidate ``f32(scale * growth_factor)`` replaces the
+  scale if it is finite and not above ``max_scale`` (GROW), otherwise the scale
+  stays (GROWTH_BLOCKED); either way the tracker returns to 0 and, with
+  ``hysteresis_refill="on_growth"``, the hysteresis budget refills.
+  Otherwise COUNT. With ``hysteresis_refill="on_clean_step"`` every clean step
+  refills the budget.
+* Non-finite step, dynamic scale: ``growth_tracker = 0``. While more than one
+  hysteresis credit is left, one is spent and the scale stays (HYSTERESIS).
+  Otherwise the scale becomes ``f32(scale * backoff_factor)``, raised to
+  ``min_scale`` if that is set (BACKOFF); a scale already at ``min_scale`` stays
+  (HOLD_AT_FLOOR) or, with ``at_min_scale="raise"``, fails (FLOOR_RAISE).
+  Without a floor, a backoff that would give 0, a subnormal or a non-finite
+  value fails (COLLAPSE).
+* Static scale: the scale and trackers never change (STATIC_CLEAN, STATIC_SKIP).
+* Every step: ``steps += 1``; a non-finite step is skipped (``skipped_steps`` and
+  ``consecutive_skips`` += 1), a clean one zeroes ``consecutive_skips``. A step
+  that would take ``consecutive_skips`` past ``max_consecutive_skips`` fails
+  (SKIP_LIMIT). Counters saturate at int32 max instead of wrapping.
+
+Invariants, after every step that did not fail: the scale is a finite, positive,
+normal float32 within ``[min_scale, max_scale]``; ``0 <= growth_tracker <
+growth_interval``; ``1 <= hysteresis_tracker <= hysteresis``;
+``consecutive_skips <= skipped_steps <= steps``.
+
+Failing closed: on the host a failing step raises :class:`ScaleCollapseError`
+(or :class:`SkipLimitError`) and returns nothing, so the caller's state is
+untouched. On a device (inside ``jax.jit``, on CuPy arrays) a step cannot raise;
+:func:`device_update` runs the same rules branch-free with ``where`` and, on a
+failing step, returns the input state unchanged except for a nonzero
+``failure`` code, which freezes the state. The first host-side look
+(:meth:`ScalerState.check`, :meth:`ScalerState.current_scale`, serialisation)
+raises the same error. The host and device paths are tested to agree.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import math
+from typing import Any
+
+from ._config import ScalerConfig
+from ._errors import GradientTypeError, InvalidStateError, ScaleCollapseError, SkipLimitError
+from ._f32 import FLT_MIN, INT32_MAX, f32, is_normal_f32
+
+__all__ = [
+    "DATA_FIELDS",
+    "Failure",
+    "ScalerState",
+    "StepKind",
+    "classify",
+    "device_update",
+    "host_flag",
+    "host_update",
+    "init",
+]
+
+
+class StepKind(enum.Enum):
+    """What one step does to the state, decided before anything is applied."""
+
+    COUNT = "count"
+    GROW = "grow"
+    GROWTH_BLOCKED = "growth_blocked"
+    HYSTERESIS = "hysteresis"
+    BACKOFF = "backoff"
+    HOLD_AT_FLOOR = "hold_at_floor"
+    STATIC_CLEAN = "static_clean"
+    STATIC_SKIP = "static_skip"
+    COLLAPSE = "collapse"
+    FLOOR_RAISE = "floor_raise"
+    SKIP_LIMIT = "skip_limit"
+
+    @property
+    def fails(self) -> bool:
+        """Whether this step is refused (fail-closed)."""
+        return self in _FAILING
+
+    @property
+    def skipped(self) -> bool:
+        """Whether the optimizer step is skipped (non-finite gradients)."""
+        return self in _SKIPPED
+
+
+class Failure(enum.IntEnum):
+    """The ``failure`` code a device state records instead of raising."""
+
+    NONE = 0
+    COLLAPSE = 1
+    FLOOR_RAISE = 2
+    SKIP_LIMIT = 3
+
+
+_FAILING = frozenset({StepKind.COLLAPSE, StepKind.FLOOR_RAISE, StepKind.SKIP_LIMIT})
+_SKIPPED = frozenset(
+    {
+        StepKind.HYSTERESIS,
+        StepKind.BACKOFF,
+        StepKind.HOLD_AT_FLOOR,
+        StepKind.STATIC_SKIP,
+        StepKind.COLLAPSE,
+        StepKind.FLOOR_RAISE,
+        StepKind.SKIP_LIMIT,
+    }
+)
+_FAILURE_OF_KIND = {
+    StepKind.COLLAPSE: Failure.COLLAPSE,
+    StepKind.FLOOR_RAISE: Failure.FLOOR_RAISE,
+    StepKind.SKIP_LIMIT: Failure.SKIP_LIMIT,
+}
+
+#: The fields that change from step to step (the pytree leaves under JAX); the
+#: config is the one static field.
+DATA_FIELDS = (
+    "scale",
+    "growth_tracker",
+    "hysteresis_tracker",
+    "steps",
+    "skipped_steps",
+    "consecutive_skips",
+    "failure",
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class ScalerState:
+    """The immutable state of one scaler: the scale and its counters.
+
+    Fields hold Python scalars on the host, or 0-d arrays (float32 scale, int32
+    counters) on a device. Build one with :func:`init`; advance it with
+    :func:`scaler_core.update`. No value checks run here (they would break under
+    ``jax.jit``); :func:`scaler_core.from_dict` validates loaded states.
+
+    Attributes:
+        config: The static :class:`ScalerConfig`.
+        scale: The current loss scale, a float32 value. Read it with
+            :meth:`current_scale`, which checks for a recorded failure.
+        growth_tracker: Clean steps since the last growth or backoff.
+        hysteresis_tracker: Overflows still needed before the next backoff.
+        steps: Steps taken (updates), saturating at int32 max.
+        skipped_steps: Steps skipped for non-finite gradients.
+        consecutive_skips: Skipped steps since the last clean one.
+        failure: 0, or the :class:`Failure` a device transition recorded.
+    """
+
+    config: ScalerConfig = dataclasses.field(metadata={"static": True})
+    scale: Any = dataclasses.field(metadata={"static": False})
+    growth_tracker: Any = dataclasses.field(default=0, metadata={"static": False})
+    hysteresis_tracker: Any = dataclasses.field(default=1, metadata={"static": False})
+    steps: Any = dataclasses.field(default=0, metadata={"static": False})
+    skipped_steps: Any = dataclasses.field(default=0, metadata={"static": False})
+    consecutive_skips: Any = dataclasses.field(default=0, metadata={"static": False})
+    failure: Any = dataclasses.field(default=0, metadata={"static": False})
+
+    @property
+    def on_host(self) -> bool:
+        """Whether every field is a plain Python scalar (not a device array)."""
+        return isinstance(self.scale, float) and all(
+            type(getattr(self, name)) is int for name in DATA_FIELDS[1:]
+        )
+
+    def check(self) -> ScalerState:
+        """Raise the error a device transition recorded; return the state otherwise.
+
+        On a device state this reads one value back to the host.
+
+        Raises:
+            ScaleCollapseError: A transition collapsed or hit a failing floor.
+            SkipLimitError: The consecutive-skip limit was passed.
+        """
+        code = int(self.failure)
+        if code:
+            raise _failure_error(Failure(code), self, recorded=True)
+        return self
+
+    def current_scale(self) -> float:
+        """The scale as a Python float, after :meth:`check`."""
+        return float(self.check().scale)
+
+    def to_host(self) -> ScalerState:
+        """This state with Python scalars in every field, after :meth:`check`."""
+        self.check()
+        return _make(
+            self.config, [float(self.scale), *(int(getattr(self, n)) for n in DATA_FIELDS[1:])]
+        )
+
+
+def _make(config: ScalerConfig, values: list[Any]) -> ScalerState:
+    fields: dict[str, Any] = dict(zip(DATA_FIELDS, values, strict=True))
+    return ScalerState(config, **fields)
+
+
+def init(config: ScalerConfig | None = None) -> ScalerState:
+    """The starting state for ``config`` (PyTorch's defaults when omitted).
+
+    >>> init().scale
+    65536.0
+    """
+    config = ScalerConfig() if config is None else config
+    if not isinstance(config, ScalerConfig):
+        raise InvalidStateError(
+            f"config={config!r}, but it must be a ScalerConfig; build one with ScalerConfig(...)"
+        )
+    return ScalerState(config=config, scale=config.init_scale, hysteresis_tracker=config.hysteresis)
+
+
+def _sat_inc(n: int) -> int:
+    return n + 1 if n < INT32_MAX else n
+
+
+def classify(state: ScalerState, found_non_finite: bool) -> StepKind:
+    """Decide what one step does, without changing anything.
+
+    Args:
+        state: A host state (Python scalars) with no recorded failure.
+        found_non_finite: Whether any gradient of this step was NaN or inf.
+
+    Returns:
+        The :class:`StepKind` of the step.
+    """
+    cfg = state.config
+    if found_non_finite:
+        limit = cfg.max_consecutive_skips
+        if limit is not None and state.consecutive_skips + 1 > limit:
+            return StepKind.SKIP_LIMIT
+        if not cfg.dynamic:
+            return StepKind.STATIC_SKIP
+        if state.hysteresis_tracker > 1:
+            return StepKind.HYSTERESIS
+        if cfg.min_scale is not None:
+            if state.scale <= cfg.min_scale:
+                return (
+                    StepKind.FLOOR_RAISE if cfg.at_min_scale == "raise" else StepKind.HOLD_AT_FLOOR
+                )
+            return StepKind.BACKOFF
+        return StepKind.BACKOFF if is_normal_f32(_backed_off(state)) else StepKind.COLLAPSE
+    if not cfg.dynamic:
+        return StepKind.STATIC_CLEAN
+    if state.growth_tracker + 1 != cfg.growth_interval:
+        return StepKind.COUNT
+    candidate = f32(state.scale * cfg.growth_factor)
+    if math.isfinite(candidate) and (cfg.max_scale is None or candidate <= cfg.max_scale):
+        return StepKind.GROW
+    return StepKind.GROWTH_BLOCKED
+
+
+def _backed_off(state: ScalerState) -> float:
+    cfg = state.config
+    scale = f32(state.scale * cfg.backoff_factor)
+    return scale if cfg.min_scale is None else max(scale, cfg.min_scale)
+
+
+def host_update(state: ScalerState, found_non_finite: bool) -> ScalerState:
+    """Apply one step on the host: classify, then apply; raise on a failing step.
+
+    Raises:
+        ScaleCollapseError: The step would collapse the scale, or demands a
+            backoff at a floor configured to raise. ``state`` is untouched.
+        SkipLimitError: The step would pass ``max_consecutive_skips``.
+    """
+    state.check()
+    kind = classify(state, found_non_finite)
+    if kind.fails:
+        raise _failure_error(_FAILURE_OF_KIND[kind], state, recorded=False)
+    cfg = state.config
+    scale = state.scale
+    growth = state.growth_tracker
+    hyst = state.hysteresis_tracker
+    if kind is StepKind.COUNT:
+        growth += 1
+    elif kind in (StepKind.GROW, StepKind.GROWTH_BLOCKED):
+        if kind is StepKind.GROW:
+            scale = f32(scale * cfg.growth_factor)
+        growth = 0
+        hyst = cfg.hysteresis
+    elif kind is StepKind.HYSTERESIS:
+        growth = 0
+        hyst -= 1
+    elif kind is StepKind.BACKOFF:
+        scale = _backed_off(state)
+        growth = 0
+    elif kind is StepKind.HOLD_AT_FLOOR:
+        growth = 0
+    if cfg.hysteresis_refill == "on_clean_step" and not found_non_finite:
+        hyst = cfg.hysteresis
+    return ScalerState(
+        config=cfg,
+        scale=scale,
+        growth_tracker=growth,
+        hysteresis_tracker=hyst,
+        steps=_sat_inc(state.steps),
+        skipped_steps=_sat_inc(state.skipped_steps) if found_non_finite else state.skipped_steps,
+        consecutive_skips=_sat_inc(state.consecutive_skips) if found_non_finite else 0,
+        failure=0,
+    )
+
+
+def device_update(xp: Any, state: ScalerState, found_non_finite: Any) -> ScalerState:
+    """The same transition as :func:`host_update`, branch-free on arrays.
+
+    Written only with ``xp.where``, comparisons and float32/int32 arithmetic, so
+    it traces once under ``jax.jit`` for both flag values and runs on CuPy with
+    no host synchronisation. A failing step returns the input state with
+    ``failure`` set (see the module docstring); a state that has failed stays
+    frozen.
+
+    Args:
+        xp: An array namespace with ``asarray``, ``where``, ``isfinite``,
+            ``maximum``, ``float32`` and ``int32`` (``numpy``, ``jax.numpy``,
+            ``cupy``).
+        state: Host or device state.
+        found_non_finite: A bool, or a 0-d boolean array of that namespace.
+
+    Returns:
+        A state whose fields are 0-d arrays of ``xp``.
+    """
+    cfg = state.config
+    f32_, i32 = xp.float32, xp.int32
+    found = xp.asarray(found_non_finite, dtype=bool)
+    clean = ~found
+    old = [
+        xp.asarray(state.scale, dtype=f32_),
+        *(xp.asarray(getattr(state, name), dtype=i32) for name in DATA_FIELDS[1:]),
+    ]
+    scale, growth, hyst, steps, skipped, consec, failure = old
+    zero, one = xp.asarray(0, dtype=i32), xp.asarray(1, dtype=i32)
+
+    def sat_inc(n: Any) -> Any:
+        return xp.where(n < INT32_MAX, n + one, n)
+
+    new_steps = sat_inc(steps)
+    new_skipped = xp.where(found, sat_inc(skipped), skipped)
+    new_consec = xp.where(found, sat_inc(consec), zero)
+
+    fail = xp.asarray(int(Failure.NONE), dtype=i32)
+    if cfg.dynamic:
+        growth1 = growth + one
+        at_interval = clean & (growth1 == cfg.growth_interval)
+        grown = scale * f32_(cfg.growth_factor)
+        can_grow = xp.isfinite(grown)
+        if cfg.max_scale is not None:
+            can_grow = can_grow & (grown <= f32_(cfg.max_scale))
+        absorbed = found & (hyst > one)
+        backing_off = found & ~absorbed
+        backed = scale * f32_(cfg.backoff_factor)
+        if cfg.min_scale is not None:
+            floor = f32_(cfg.min_scale)
+            backed = xp.maximum(backed, floor)
+            at_floor = scale <= floor
+            if cfg.at_min_scale == "raise":
+                fail = xp.where(backing_off & at_floor, int(Failure.FLOOR_RAISE), fail)
+        else:
+            collapse = ~(xp.isfinite(backed) & (backed >= f32_(FLT_MIN)))
+            fail = xp.where(backing_off & collapse, int(Failure.COLLAPSE), fail)
+        new_scale = xp.where(
+            found,
+            xp.where(absorbed, scale, backed),
+            xp.where(at_interval & can_grow, grown, scale),
+        )
+        new_growth = xp.where(found | at_interval, zero, growth1)
+        refill = clean if cfg.hysteresis_refill == "on_clean_step" else at_interval
+        new_hyst = xp.where(absorbed, hyst - one, xp.where(refill, cfg.hysteresis, hyst))
+    else:
+        new_scale, new_growth, new_hyst = scale, growth, hyst
+    if cfg.max_consecutive_skips is not None:
+        # The skip limit is checked first on the host; give it precedence here too.
+        over = found & (consec + one > cfg.max_consecutive_skips)
+        fail = xp.where(over, int(Failure.SKIP_LIMIT), fail)
+    fail = xp.where(failure != zero, failure, fail).astype(i32)
+    keep = fail != zero
+    new = [new_scale, new_growth, new_hyst, new_steps, new_skipped, new_consec]
+    out = [xp.where(keep, o, n).astype(o.dtype) for o, n in zip(old[:-1], new, strict=True)]
+    return _make(cfg, [*out, fail])
+
+
+def _failure_error(failure: Failure, state: ScalerState, *, recorded: bool) -> ScaleCollapseError:
+    cfg = state.config
+    where = (
+        "a device transition recorded this failure; the state kept its last valid values"
+        if recorded
+        else "the state was left unchanged"
+    )
+    scale = float(state.scale)
+    if failure is Failure.SKIP_LIMIT:
+        return SkipLimitError(
+            f"consecutive_skips would exceed max_consecutive_skips={cfg.max_consecutive_skips} "
+            f"(scale={scale!r}): gradients have been non-finite on every recent step; "
+            f"{where}. Check the model and data for NaN sources, or raise the limit."
+        )
+    if failure is Failure.FLOOR_RAISE:
+        return ScaleCollapseError(
+            f"scale={scale!r} is already at min_scale={cfg.min_scale!r} and a backoff was "
+            f"demanded with at_min_scale='raise'; {where}. Lower min_scale, use "
+            f"at_min_scale='hold', or find the source of the non-finite gradients."
+        )
+    return ScaleCollapseError(
+        f"backoff of scale={scale!r} by backoff_factor={cfg.backoff_factor!r} gives "
+        f"{f32(scale * cfg.backoff_factor)!r}, not a normal float32 (0, subnormal or "
+        f"non-finite); {where}. Gradients are non-finite at every scale: look for NaN "
+        f"sources, or set min_scale to hold a floor."
+    )
+
+
+def host_flag(found: object) -> bool | None:
+    """``found`` as a Python bool when it is a host flag, else ``None``.
+
+    Host flags: ``bool``, NumPy's ``bool_`` and 0-d NumPy boolean arrays (checked
+    by type name, so NumPy is never imported here).
+
+    Raises:
+        GradientTypeError: ``found`` is an int, a float or another non-bool.
+    """
+    if isinstance(found, bool):
+        return found
+    typ = type(found)
+    if typ.__module__ == "numpy":
+        if str(getattr(found, "dtype", "")) == "bool" and getattr(found, "shape", None) == ():
+            return bool(found)  # type: ignore[arg-type]
+        raise GradientTypeError(
+            f"found_non_finite={found!r}, but it must be a bool or a 0-d boolean array; "
+            f"pass the flag returned by unscale() or find_non_finite()"
+        )
+    if isinstance(found, (int, float, complex, str, bytes)) or found is None:
+        raise GradientTypeError(
+            f"found_non_finite={found!r}, but it must be a bool or a 0-d boolean array; "
+            f"pass the flag returned by unscale() or find_non_finite()"
+        )
+    return None

@@ -35,6 +35,11 @@ class GradScaler:
         backend: A backend name or object; ``None`` picks it from the first
             gradients passed to :meth:`unscale` or :meth:`detect`.
         state: Resume from this state (its config wins over ``config``).
+        reduce_found: For data parallelism: a function that OR-reduces a found
+            flag across replicas with the framework's own collective (mpi4py,
+            NCCL, JAX). Applied once per step, to the OR of the local groups,
+            before the skip decision and the update; every replica must call
+            :meth:`should_skip_step` / :meth:`update` in the same order.
 
     >>> import numpy as np
     >>> scaler = GradScaler()
@@ -53,6 +58,7 @@ class GradScaler:
         *,
         backend: str | Backend | None = None,
         state: ScalerState | None = None,
+        reduce_found: Callable[[Any], Any] | None = None,
     ) -> None:
         if state is not None:
             if not isinstance(state, ScalerState):
@@ -66,6 +72,13 @@ class GradScaler:
                 )
         self._state = state if state is not None else init(config)
         self._backend = None if backend is None else get_backend(backend)
+        if reduce_found is not None and not callable(reduce_found):
+            raise InvalidStateError(
+                f"reduce_found={reduce_found!r}, but it must be a callable taking and "
+                f"returning a found flag (or None)"
+            )
+        self._reduce_found = reduce_found
+        self._reduced: Any = None
         self._flags: dict[Hashable, Any] = {}
         self._unscaled: set[Hashable] = set()
         self._stepped = False
@@ -93,10 +106,17 @@ class GradScaler:
 
     @property
     def found_non_finite(self) -> Any:
-        """The OR of this step's flags so far (a device value), or ``None``."""
+        """The OR of this step's local flags so far (a device value), or ``None``."""
         if not self._flags:
             return None
         return self._backend_for(None).any(*self._flags.values())
+
+    def _step_found(self) -> Any:
+        """This step's flag, reduced across replicas once if ``reduce_found`` is set."""
+        if self._reduced is None:
+            found = self.found_non_finite
+            self._reduced = found if self._reduce_found is None else self._reduce_found(found)
+        return self._reduced
 
     # ------------------------------------------------------------------- steps
     def scale_loss(self, loss: T) -> T:
@@ -149,7 +169,7 @@ class GradScaler:
             LifecycleError: No gradients were checked in this step.
         """
         self._need_checks("should_skip_step()")
-        return self._backend_for(None).to_bool(self.found_non_finite)
+        return self._backend_for(None).to_bool(self._step_found())
 
     def step(self, optimizer_step: Callable[..., T], *args: Any, **kwargs: Any) -> T | None:
         """Call ``optimizer_step(*args, **kwargs)`` unless the step is skipped.
@@ -179,7 +199,8 @@ class GradScaler:
                 keeps its previous state and this step's flags.
         """
         self._need_checks("update()")
-        self._state = _update(self._state, self.found_non_finite)
+        self._state = _update(self._state, self._step_found())
+        self._reduced = None
         self._flags.clear()
         self._unscaled.clear()
         self._stepped = False
@@ -225,6 +246,11 @@ class GradScaler:
         return self._backend
 
     def _record(self, backend: Backend, group: Hashable, found: Any) -> None:
+        if self._reduced is not None:
+            raise LifecycleError(
+                "gradients were checked after the skip decision of this step was taken "
+                "(should_skip_step() or step()); check every group first, then decide"
+            )
         previous = self._flags.get(group)
         self._flags[group] = found if previous is None else backend.any(previous, found)
 

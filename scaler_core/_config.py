@@ -15,13 +15,15 @@ from typing import Any, Literal
 from ._errors import InvalidConfigError
 from ._f32 import FLT_MAX, FLT_MIN, INT32_MAX, f32, is_f32_exact
 
-__all__ = ["AtMinScale", "HysteresisRefill", "ScalerConfig"]
+__all__ = ["AtMaxScale", "AtMinScale", "HysteresisRefill", "ScalerConfig"]
 
 AtMinScale = Literal["hold", "raise"]
-HysteresisRefill = Literal["on_growth", "on_clean_step"]
+AtMaxScale = Literal["block", "clamp"]
+HysteresisRefill = Literal["on_growth", "on_clean_step", "on_clean_step_or_backoff"]
 
 _AT_MIN_SCALE = ("hold", "raise")
-_HYSTERESIS_REFILL = ("on_growth", "on_clean_step")
+_AT_MAX_SCALE = ("block", "clamp")
+_HYSTERESIS_REFILL = ("on_growth", "on_clean_step", "on_clean_step_or_backoff")
 
 
 def _fail(name: str, value: object, must: str) -> InvalidConfigError:
@@ -95,11 +97,19 @@ class ScalerConfig:
             ``min_scale``: ``"hold"`` keeps it there, ``"raise"`` fails closed
             with :class:`ScaleCollapseError` (DeepSpeed's
             ``raise_error_at_min_scale``). Needs ``min_scale``.
+        at_max_scale: What a due growth does when ``scale * growth_factor``
+            is non-finite or above the ceiling (``max_scale``, or the largest
+            float32 without one): ``"block"`` keeps the scale (PyTorch, jmp,
+            Paddle), ``"clamp"`` sets it to the ceiling (apex's
+            ``min(max_loss_scale, scale * 2)``, flax's
+            ``minimum(scale * growth_factor, finfo(float32).max)``).
         hysteresis: Overflows needed before a backoff (Megatron, DeepSpeed
             ``delayed_shift``); 1 (the default) backs off on every overflow.
         hysteresis_refill: When the hysteresis budget refills: ``"on_growth"``
-            (Megatron and DeepSpeed's default) or ``"on_clean_step"`` (DeepSpeed's
-            ``consecutive_hysteresis=True``).
+            (Megatron and DeepSpeed's default), ``"on_clean_step"`` (DeepSpeed's
+            ``consecutive_hysteresis=True``) or ``"on_clean_step_or_backoff"``
+            (Paddle's ``decr_every_n_nan_or_inf``: every clean step and every
+            backoff refill it).
         max_consecutive_skips: Optional limit on consecutive skipped steps; the
             step past it fails closed with :class:`SkipLimitError`.
         dynamic: ``False`` holds the scale at ``init_scale`` forever (a static
@@ -124,6 +134,7 @@ class ScalerConfig:
     min_scale: float | None = None
     max_scale: float | None = None
     at_min_scale: AtMinScale = "hold"
+    at_max_scale: AtMaxScale = "block"
     hysteresis: int = 1
     hysteresis_refill: HysteresisRefill = "on_growth"
     max_consecutive_skips: int | None = None
@@ -165,6 +176,8 @@ class ScalerConfig:
                 self.at_min_scale,
                 "'hold' unless min_scale is set (there is no floor)",
             )
+        if self.at_max_scale not in _AT_MAX_SCALE:
+            raise _fail("at_max_scale", self.at_max_scale, "'block' or 'clamp'")
         put(
             self,
             "hysteresis",
@@ -172,7 +185,9 @@ class ScalerConfig:
         )
         if self.hysteresis_refill not in _HYSTERESIS_REFILL:
             raise _fail(
-                "hysteresis_refill", self.hysteresis_refill, "'on_growth' or 'on_clean_step'"
+                "hysteresis_refill",
+                self.hysteresis_refill,
+                "'on_growth', 'on_clean_step' or 'on_clean_step_or_backoff'",
             )
         if self.max_consecutive_skips is not None:
             put(

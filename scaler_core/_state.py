@@ -9,15 +9,19 @@ into a :class:`StepKind`, then applies that kind. The rules:
 * Clean step, dynamic scale: ``growth_tracker += 1``. When it reaches
   ``growth_interval`` the candidate ``f32(scale * growth_factor)`` replaces the
   scale if it is finite and not above ``max_scale`` (GROW), otherwise the scale
-  stays (GROWTH_BLOCKED); either way the tracker returns to 0 and, with
+  stays (GROWTH_BLOCKED) or, with ``at_max_scale="clamp"``, becomes the ceiling
+  (``max_scale``, or the largest float32 without one; GROW if that is above the
+  scale); either way the tracker returns to 0 and, with
   ``hysteresis_refill="on_growth"``, the hysteresis budget refills.
-  Otherwise COUNT. With ``hysteresis_refill="on_clean_step"`` every clean step
-  refills the budget.
+  Otherwise COUNT. With ``hysteresis_refill="on_clean_step"`` (or
+  ``"on_clean_step_or_backoff"``) every clean step refills the budget.
 * Non-finite step, dynamic scale: ``growth_tracker = 0``. While more than one
   hysteresis credit is left, one is spent and the scale stays (HYSTERESIS).
   Otherwise the scale becomes ``f32(scale * backoff_factor)``, raised to
   ``min_scale`` if that is set (BACKOFF); a scale already at ``min_scale`` stays
   (HOLD_AT_FLOOR) or, with ``at_min_scale="raise"``, fails (FLOOR_RAISE).
+  With ``hysteresis_refill="on_clean_step_or_backoff"`` a BACKOFF or
+  HOLD_AT_FLOOR also refills the hysteresis budget (Paddle).
   Without a floor, a backoff that would give 0, a subnormal or a non-finite
   value fails (COLLAPSE).
 * Static scale: the scale and trackers never change (STATIC_CLEAN, STATIC_SKIP).
@@ -50,7 +54,7 @@ from typing import Any
 
 from ._config import ScalerConfig
 from ._errors import GradientTypeError, InvalidStateError, ScaleCollapseError, SkipLimitError
-from ._f32 import FLT_MIN, INT32_MAX, f32, is_normal_f32
+from ._f32 import FLT_MAX, FLT_MIN, INT32_MAX, f32, is_normal_f32
 
 __all__ = [
     "DATA_FIELDS",
@@ -247,10 +251,18 @@ def classify(state: ScalerState, found_non_finite: bool) -> StepKind:
         return StepKind.STATIC_CLEAN
     if state.growth_tracker + 1 != cfg.growth_interval:
         return StepKind.COUNT
+    return StepKind.GROW if _grown(state) > state.scale else StepKind.GROWTH_BLOCKED
+
+
+def _grown(state: ScalerState) -> float:
+    """The scale after a due growth: the candidate, the ceiling, or unchanged."""
+    cfg = state.config
     candidate = f32(state.scale * cfg.growth_factor)
     if math.isfinite(candidate) and (cfg.max_scale is None or candidate <= cfg.max_scale):
-        return StepKind.GROW
-    return StepKind.GROWTH_BLOCKED
+        return candidate
+    if cfg.at_max_scale == "clamp":
+        return FLT_MAX if cfg.max_scale is None else cfg.max_scale
+    return float(state.scale)
 
 
 def _backed_off(state: ScalerState) -> float:
@@ -279,7 +291,7 @@ def host_update(state: ScalerState, found_non_finite: bool) -> ScalerState:
         growth += 1
     elif kind in (StepKind.GROW, StepKind.GROWTH_BLOCKED):
         if kind is StepKind.GROW:
-            scale = f32(scale * cfg.growth_factor)
+            scale = _grown(state)
         growth = 0
         hyst = cfg.hysteresis
     elif kind is StepKind.HYSTERESIS:
@@ -290,7 +302,13 @@ def host_update(state: ScalerState, found_non_finite: bool) -> ScalerState:
         growth = 0
     elif kind is StepKind.HOLD_AT_FLOOR:
         growth = 0
-    if cfg.hysteresis_refill == "on_clean_step" and not found_non_finite:
+    refill = cfg.hysteresis_refill
+    if refill != "on_growth" and not found_non_finite:
+        hyst = cfg.hysteresis
+    if refill == "on_clean_step_or_backoff" and kind in (
+        StepKind.BACKOFF,
+        StepKind.HOLD_AT_FLOOR,
+    ):
         hyst = cfg.hysteresis
     return ScalerState(
         config=cfg,
@@ -349,6 +367,10 @@ def device_update(xp: Any, state: ScalerState, found_non_finite: Any) -> ScalerS
         can_grow = xp.isfinite(grown)
         if cfg.max_scale is not None:
             can_grow = can_grow & (grown <= f32_(cfg.max_scale))
+        if cfg.at_max_scale == "clamp":
+            ceiling = f32_(FLT_MAX if cfg.max_scale is None else cfg.max_scale)
+            grown = xp.where(can_grow, grown, ceiling)
+            can_grow = xp.asarray(True)
         absorbed = found & (hyst > one)
         backing_off = found & ~absorbed
         backed = scale * f32_(cfg.backoff_factor)
@@ -367,7 +389,9 @@ def device_update(xp: Any, state: ScalerState, found_non_finite: Any) -> ScalerS
             xp.where(at_interval & can_grow, grown, scale),
         )
         new_growth = xp.where(found | at_interval, zero, growth1)
-        refill = clean if cfg.hysteresis_refill == "on_clean_step" else at_interval
+        refill = at_interval if cfg.hysteresis_refill == "on_growth" else clean
+        if cfg.hysteresis_refill == "on_clean_step_or_backoff":
+            refill = refill | backing_off
         new_hyst = xp.where(absorbed, hyst - one, xp.where(refill, cfg.hysteresis, hyst))
     else:
         new_scale, new_growth, new_hyst = scale, growth, hyst

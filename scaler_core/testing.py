@@ -69,7 +69,10 @@ def configs(
     if draw(st.booleans()):
         kwargs["max_scale"] = draw(scales(min_value=init_scale))
     kwargs["hysteresis"] = draw(st.integers(1, 4))
-    kwargs["hysteresis_refill"] = draw(st.sampled_from(["on_growth", "on_clean_step"]))
+    kwargs["at_max_scale"] = draw(st.sampled_from(["block", "clamp"]))
+    kwargs["hysteresis_refill"] = draw(
+        st.sampled_from(["on_growth", "on_clean_step", "on_clean_step_or_backoff"])
+    )
     if draw(st.booleans()):
         kwargs["max_consecutive_skips"] = draw(st.integers(0, 30))
     kwargs["dynamic"] = draw(st.booleans()) or draw(st.booleans())

@@ -40,6 +40,9 @@ class GradScaler:
             NCCL, JAX). Applied once per step, to the OR of the local groups,
             before the skip decision and the update; every replica must call
             :meth:`should_skip_step` / :meth:`update` in the same order.
+        policy: Your own transition ``policy(state, found) -> state`` (a pure
+            function; see "Testing your own policy" in the README), used by
+            :meth:`update` instead of :func:`scaler_core.update`.
 
     >>> import numpy as np
     >>> scaler = GradScaler()
@@ -59,6 +62,7 @@ class GradScaler:
         backend: str | Backend | None = None,
         state: ScalerState | None = None,
         reduce_found: Callable[[Any], Any] | None = None,
+        policy: Callable[[ScalerState, Any], ScalerState] | None = None,
     ) -> None:
         if state is not None:
             if not isinstance(state, ScalerState):
@@ -78,6 +82,12 @@ class GradScaler:
                 f"returning a found flag (or None)"
             )
         self._reduce_found = reduce_found
+        if policy is not None and not callable(policy):
+            raise InvalidStateError(
+                f"policy={policy!r}, but it must be a callable policy(state, found) -> state "
+                f"(or None for scaler_core.update)"
+            )
+        self._policy = _update if policy is None else policy
         self._reduced: Any = None
         self._flags: dict[Hashable, Any] = {}
         self._unscaled: set[Hashable] = set()
@@ -199,7 +209,13 @@ class GradScaler:
                 keeps its previous state and this step's flags.
         """
         self._need_checks("update()")
-        self._state = _update(self._state, self._step_found())
+        new = self._policy(self._state, self._step_found())
+        if not isinstance(new, ScalerState):
+            raise InvalidStateError(
+                f"policy {self._policy!r} returned {new!r}, but it must return a ScalerState "
+                f"(build it with dataclasses.replace(state, ...))"
+            )
+        self._state = new
         self._reduced = None
         self._flags.clear()
         self._unscaled.clear()

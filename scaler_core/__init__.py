@@ -29,12 +29,14 @@ from ._errors import (
     SkipLimitError,
 )
 from ._lifecycle import GradScaler
+from ._presets import PRESETS, PresetInfo, preset
 from ._serialize import from_dict, from_torch_state_dict, to_dict, to_torch_state_dict
 from ._state import Failure, ScalerState, StepKind, classify, device_update, init
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "PRESETS",
     "Backend",
     "BackendUnavailableError",
     "Failure",
@@ -45,6 +47,7 @@ __all__ = [
     "InvalidGradientError",
     "InvalidStateError",
     "LifecycleError",
+    "PresetInfo",
     "ScaleCollapseError",
     "ScalerConfig",
     "ScalerError",
@@ -60,6 +63,7 @@ __all__ = [
     "from_torch_state_dict",
     "get_backend",
     "init",
+    "preset",
     "register_backend",
     "to_dict",
     "to_torch_state_dict",

@@ -1,0 +1,335 @@
+"""Presets: configs that reproduce the well-known loss scalers, with their sources.
+
+Each factory takes the anchor's own parameter names and defaults and returns a
+:class:`ScalerConfig` whose trajectories equal the anchor's step by step, except
+where noted in :attr:`PresetInfo.differences` (chiefly: scaler-core refuses a
+scale that would become 0, subnormal or infinite, where some anchors carry on).
+Oracle tests compare each preset with the real package where it is installable
+(PyTorch, jmp, flax, Keras) and with the published examples of the anchor's own
+test suite otherwise (DeepSpeed, Megatron-LM, Paddle, apex).
+
+>>> preset("deepspeed").hysteresis
+2
+>>> preset("flax").growth_interval  # flax grows on the 2001st clean step
+2001
+>>> sorted(PRESETS)
+['apex', 'deepspeed', 'flax', 'jmp', 'keras', 'megatron', 'paddle', 'torch']
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import math
+from collections.abc import Callable, Mapping
+from types import MappingProxyType
+from typing import Any
+
+from ._config import ScalerConfig
+from ._errors import InvalidConfigError
+from ._f32 import FLT_MIN, f32
+
+__all__ = ["PRESETS", "PresetInfo", "preset"]
+
+
+@dataclasses.dataclass(frozen=True)
+class PresetInfo:
+    """What a preset reproduces and where it differs.
+
+    Attributes:
+        name: The preset's name, as :func:`preset` takes it.
+        anchor: The class or function reproduced.
+        source: Where its rule lives (file in the anchor's repository).
+        factory: Builds the config from the anchor's own parameter names.
+        differences: What scaler-core does differently, in plain words.
+    """
+
+    name: str
+    anchor: str
+    source: str
+    factory: Callable[..., ScalerConfig]
+    differences: str
+
+
+def _power_of_two_factor(name: str, value: float) -> float:
+    """``1 / value`` when dividing by ``value`` equals multiplying by it exactly."""
+    mant, _ = math.frexp(float(value))
+    if value <= 1.0 or not math.isfinite(value) or mant != 0.5:
+        raise InvalidConfigError(
+            f"{name}={value!r}, but it must be a power of two > 1 (2.0, 4.0, ...): the "
+            f"anchor divides the scale by it, which only a power of two makes exact in float32"
+        )
+    return 1.0 / float(value)
+
+
+def torch(
+    *,
+    init_scale: float = 2.0**16,
+    growth_factor: float = 2.0,
+    backoff_factor: float = 0.5,
+    growth_interval: int = 2000,
+) -> ScalerConfig:
+    """``torch.amp.GradScaler`` (``torch._amp_update_scale_``)."""
+    return ScalerConfig(
+        init_scale=init_scale,
+        growth_factor=growth_factor,
+        backoff_factor=backoff_factor,
+        growth_interval=growth_interval,
+    )
+
+
+def megatron(
+    *,
+    initial_scale: float = 2.0**32,
+    min_scale: float = 1.0,
+    growth_factor: float = 2.0,
+    backoff_factor: float = 0.5,
+    growth_interval: int = 1000,
+    hysteresis: int = 2,
+) -> ScalerConfig:
+    """Megatron-LM's ``DynamicGradScaler`` with the defaults of its arguments
+    (``--initial-loss-scale 2**32 --min-loss-scale 1 --loss-scale-window 1000
+    --hysteresis 2``)."""
+    return ScalerConfig(
+        init_scale=initial_scale,
+        min_scale=min_scale,
+        growth_factor=growth_factor,
+        backoff_factor=backoff_factor,
+        growth_interval=growth_interval,
+        hysteresis=hysteresis,
+        hysteresis_refill="on_growth",
+    )
+
+
+def deepspeed(
+    *,
+    init_scale: float = 2.0**32,
+    scale_factor: float = 2.0,
+    scale_window: int = 1000,
+    min_scale: float = 1.0,
+    delayed_shift: int = 2,
+    consecutive_hysteresis: bool = False,
+    raise_error_at_min_scale: bool = True,
+) -> ScalerConfig:
+    """DeepSpeed's ``DynamicLossScaler`` as its fp16 config builds it
+    (``hysteresis`` → ``delayed_shift`` = 2, ``min_loss_scale`` = 1)."""
+    return ScalerConfig(
+        init_scale=init_scale,
+        growth_factor=scale_factor,
+        backoff_factor=_power_of_two_factor("scale_factor", scale_factor),
+        growth_interval=scale_window,
+        min_scale=min_scale,
+        at_min_scale="raise" if raise_error_at_min_scale else "hold",
+        hysteresis=delayed_shift,
+        hysteresis_refill="on_clean_step" if consecutive_hysteresis else "on_growth",
+    )
+
+
+def jmp(
+    *,
+    loss_scale: float = 2.0**15,
+    period: int = 2000,
+    factor: float = 2.0,
+    min_loss_scale: float = 1.0,
+) -> ScalerConfig:
+    """``jmp.DynamicLossScale`` (``loss_scale`` 2**15 as its docstring uses)."""
+    return ScalerConfig(
+        init_scale=loss_scale,
+        growth_factor=factor,
+        backoff_factor=_power_of_two_factor("factor", factor),
+        growth_interval=period,
+        min_scale=min_loss_scale,
+    )
+
+
+def flax(
+    *,
+    growth_factor: float = 2.0,
+    backoff_factor: float = 0.5,
+    growth_interval: int = 2000,
+    scale: float = 65536.0,
+    minimum_scale: float | None = FLT_MIN,
+) -> ScalerConfig:
+    """``flax.training.dynamic_scale.DynamicScale``.
+
+    flax grows when its ``fin_steps`` *equals* ``growth_interval``, i.e. on the
+    ``growth_interval + 1``-th clean step, and clamps growth at the largest
+    float32 instead of refusing it.
+    """
+    return ScalerConfig(
+        init_scale=scale,
+        growth_factor=growth_factor,
+        backoff_factor=backoff_factor,
+        growth_interval=growth_interval + 1,
+        min_scale=minimum_scale,
+        at_max_scale="clamp",
+    )
+
+
+def keras(*, initial_scale: float = 2.0**15, dynamic_growth_steps: int = 2000) -> ScalerConfig:
+    """Keras 3 ``keras.optimizers.LossScaleOptimizer`` (factors 2 and 0.5, fixed)."""
+    return ScalerConfig(init_scale=initial_scale, growth_interval=dynamic_growth_steps)
+
+
+def paddle(
+    *,
+    init_loss_scaling: float = 2.0**16,
+    incr_ratio: float = 2.0,
+    decr_ratio: float = 0.5,
+    incr_every_n_steps: int = 2000,
+    decr_every_n_nan_or_inf: int = 1,
+) -> ScalerConfig:
+    """``paddle.amp.GradScaler`` (the ``update_loss_scaling`` kernel).
+
+    Paddle keeps the ratios as float32 attributes, so they are rounded to
+    float32 here as Paddle rounds them (``decr_ratio=0.8`` is used as
+    ``0.800000011920929``). Its kernel never backs off below 1.
+    """
+    return ScalerConfig(
+        init_scale=init_loss_scaling,
+        growth_factor=f32(incr_ratio),
+        backoff_factor=f32(decr_ratio),
+        growth_interval=incr_every_n_steps,
+        min_scale=1.0,
+        hysteresis=decr_every_n_nan_or_inf,
+        hysteresis_refill="on_clean_step_or_backoff",
+    )
+
+
+def apex(
+    *,
+    init_scale: float = 2.0**16,
+    scale_window: int = 2000,
+    min_loss_scale: float | None = None,
+    max_loss_scale: float = 2.0**24,
+) -> ScalerConfig:
+    """NVIDIA apex ``amp`` ``LossScaler`` (factors 2 and 0.5, fixed)."""
+    return ScalerConfig(
+        init_scale=init_scale,
+        growth_interval=scale_window,
+        # apex tests ``if self._min_loss_scale:``, so 0 means no floor.
+        min_scale=min_loss_scale or None,
+        max_scale=max_loss_scale,
+        at_max_scale="clamp",
+    )
+
+
+_NO_COLLAPSE = (
+    "A backoff that would leave the scale 0 or subnormal raises ScaleCollapseError "
+    "(the anchor carries on with a useless scale)."
+)
+_INF_GROWTH = (
+    "A growth to an infinite scale is blocked (the anchor multiplies unchecked "
+    "and would reach inf past 2**127)."
+)
+
+PRESETS: Mapping[str, PresetInfo] = MappingProxyType(
+    {
+        info.name: info
+        for info in (
+            PresetInfo(
+                "torch",
+                "torch.amp.GradScaler",
+                "pytorch/pytorch aten/src/ATen/native/cpu/AmpGradScalerKernels.cpp "
+                "(_amp_update_scale_cpu_)",
+                torch,
+                "None in the trajectory (bit for bit). " + _NO_COLLAPSE,
+            ),
+            PresetInfo(
+                "megatron",
+                "megatron.core.optimizer.grad_scaler.DynamicGradScaler",
+                "NVIDIA/Megatron-LM megatron/core/optimizer/grad_scaler.py",
+                megatron,
+                "Megatron's hysteresis tracker counts down past 0 where ours stays at 1 "
+                "(same decisions). " + _INF_GROWTH,
+            ),
+            PresetInfo(
+                "deepspeed",
+                "deepspeed.runtime.fp16.loss_scaler.DynamicLossScaler",
+                "deepspeedai/DeepSpeed deepspeed/runtime/fp16/loss_scaler.py",
+                deepspeed,
+                "DeepSpeed keeps the scale as a float64 Python float and divides by "
+                "scale_factor; for power-of-two factors that is the same float32 value "
+                "(other factors are refused). DeepSpeed raises a bare Exception at the "
+                "floor; we raise ScaleCollapseError and keep the state. The fused "
+                "FP16_Optimizer path has its own off-by-one growth rule (first growth "
+                "after scale_window + 1 clean steps), not reproduced. " + _INF_GROWTH,
+            ),
+            PresetInfo(
+                "jmp",
+                "jmp.DynamicLossScale",
+                "google-deepmind/jmp jmp/_src/loss_scale.py",
+                jmp,
+                "jmp divides by factor (only powers of two are accepted, so it is exact) "
+                "and stores the scale in the dtype you pass; we store float32.",
+            ),
+            PresetInfo(
+                "flax",
+                "flax.training.dynamic_scale.DynamicScale",
+                "google/flax flax/training/dynamic_scale.py",
+                flax,
+                "None in the trajectory: its growth on the (N+1)-th clean step is "
+                "growth_interval=N+1, its clamp at float32 max is at_max_scale='clamp', "
+                "its default floor is float32 tiny. "
+                + _NO_COLLAPSE.replace(
+                    "0 or subnormal", "0 or subnormal (only with minimum_scale=None)"
+                ),
+            ),
+            PresetInfo(
+                "keras",
+                "keras.optimizers.LossScaleOptimizer (Keras 3)",
+                "keras-team/keras keras/src/optimizers/loss_scale_optimizer.py",
+                keras,
+                _INF_GROWTH + " " + _NO_COLLAPSE,
+            ),
+            PresetInfo(
+                "paddle",
+                "paddle.amp.GradScaler (update_loss_scaling)",
+                "PaddlePaddle/Paddle paddle/phi/kernels/impl/amp_kernel_impl.h",
+                paddle,
+                "Ratios are float32, as Paddle stores them. Paddle's bad-step counter "
+                "is hysteresis_refill='on_clean_step_or_backoff'; its floor of 1 is "
+                "min_scale=1.0.",
+            ),
+            PresetInfo(
+                "apex",
+                "apex.amp.scaler.LossScaler",
+                "NVIDIA/apex apex/amp/scaler.py",
+                apex,
+                "apex keeps the scale as a float64 Python float; with factor 2 the values "
+                "are the same. " + _NO_COLLAPSE + " (without min_loss_scale)",
+            ),
+        )
+    }
+)
+
+
+def preset(name: str, **kwargs: Any) -> ScalerConfig:
+    """The config reproducing the scaler called ``name``.
+
+    Args:
+        name: One of :data:`PRESETS` (``torch``, ``megatron``, ``deepspeed``,
+            ``jmp``, ``flax``, ``keras``, ``paddle``, ``apex``).
+        **kwargs: The anchor's own parameters, by its own names (for example
+            ``preset("deepspeed", consecutive_hysteresis=True)``).
+
+    Returns:
+        A validated :class:`ScalerConfig`.
+
+    Raises:
+        InvalidConfigError: Unknown name or parameter, or an invalid value.
+
+    >>> preset("deepspeed", raise_error_at_min_scale=False).at_min_scale
+    'hold'
+    """
+    info = PRESETS.get(name)
+    if info is None:
+        raise InvalidConfigError(f"preset={name!r}, but it must be one of {sorted(PRESETS)}")
+    params = list(inspect.signature(info.factory).parameters)
+    unknown = sorted(set(kwargs) - set(params))
+    if unknown:
+        raise InvalidConfigError(
+            f"preset {name!r} got unknown parameter(s) {unknown}, but it takes only "
+            f"{params} (the anchor's own parameter names)"
+        )
+    return info.factory(**kwargs)

@@ -126,13 +126,13 @@ _POW2 = st.integers(-20, 40).map(lambda e: 2.0**e)
     _POW2,
     st.integers(1, 6),
     st.integers(1, 4),
-    st.booleans(),
-    st.booleans(),
+    st.tuples(st.booleans(), st.booleans()),
     flag_sequences(max_size=150),
 )
 def test_deepspeed_preset_follows_its_update_scale(
-    init: float, window: int, shift: int, consecutive: bool, raise_: bool, flags: list[bool]
+    init: float, window: int, shift: int, options: tuple[bool, bool], flags: list[bool]
 ) -> None:
+    consecutive, raise_ = options
     floor = min(1.0, init)
     ref = DeepSpeedRule(init, window, floor, shift, consecutive, raise_)
     config = sc.preset(
@@ -314,13 +314,14 @@ def test_paddle_preset_follows_update_loss_scaling(
 
 
 @pytest.mark.parametrize("init", [1.0, 1024.0, 65536.0])
-@pytest.mark.parametrize(("growth", "backoff"), [(2.0, 0.5), (2.0, 0.25), (4.0, 0.5)])
+@pytest.mark.parametrize("factors", [(2.0, 0.5), (2.0, 0.25), (4.0, 0.5)])
 @pytest.mark.parametrize("interval", [10, 100])
 @pytest.mark.parametrize("hysteresis", [10, 100])
 @pytest.mark.parametrize("extra", [0, 7, 23])
 def test_apex_update_scale_hysteresis_example(
-    init: float, growth: float, backoff: float, interval: int, hysteresis: int, extra: int
+    init: float, factors: tuple[float, float], interval: int, hysteresis: int, extra: int
 ) -> None:
+    growth, backoff = factors
     config = sc.ScalerConfig(
         init_scale=init,
         growth_factor=growth,

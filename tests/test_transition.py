@@ -25,7 +25,7 @@ from scaler_core.testing import check_invariants, configs, flag_sequences
 F32_TINY = float(np.finfo(np.float32).tiny)
 
 
-class Refused(Exception):
+class RefusedError(Exception):
     """The model's way of saying 'this step fails closed'."""
 
 
@@ -53,20 +53,20 @@ class Model:
         cfg = self.cfg
         if found:
             if cfg.max_consecutive_skips is not None and self.consec >= cfg.max_consecutive_skips:
-                raise Refused("skip limit")
+                raise RefusedError("skip limit")
             if cfg.dynamic:
                 self.growth = 0
                 if self.hyst >= 2:
                     self.hyst -= 1
                 elif cfg.min_scale is not None and self.scale == np.float32(cfg.min_scale):
                     if cfg.at_min_scale == "raise":
-                        raise Refused("floor")
+                        raise RefusedError("floor")
                 else:
                     new = self.mul(cfg.backoff_factor)
                     if cfg.min_scale is not None:
                         new = max(new, np.float32(cfg.min_scale))
                     if not (np.isfinite(new) and new >= F32_TINY):
-                        raise Refused("collapse")
+                        raise RefusedError("collapse")
                     self.scale = new
             self.skipped += 1
             self.consec += 1
@@ -119,7 +119,7 @@ class ScalerMachine(RuleBasedStateMachine):
         saved = dataclasses.replace(self.model)
         try:
             self.model.step(found)
-        except Refused as why:
+        except RefusedError as why:
             self.model = saved  # a refused step changes nothing; training may go on
             note(f"model refuses: {why}")
             with pytest.raises(sc.ScaleCollapseError):
@@ -277,7 +277,8 @@ def test_counters_saturate_instead_of_wrapping() -> None:
     s = sc.update(s, True)
     assert (s.steps, s.skipped_steps, s.consecutive_skips) == (INT32_MAX,) * 3
     dev = sc.device_update(np, dataclasses.replace(s, scale=2.0**16), np.bool_(True))
-    assert int(dev.steps) == INT32_MAX and int(dev.consecutive_skips) == INT32_MAX
+    assert int(dev.steps) == INT32_MAX
+    assert int(dev.consecutive_skips) == INT32_MAX
 
 
 def test_update_rejects_non_bool_flags() -> None:

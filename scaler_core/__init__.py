@@ -35,8 +35,7 @@ from ._state import Failure, ScalerState, StepKind, classify, device_update, ini
 
 __version__ = "0.1.0"
 
-__all__ = [
-    "PRESETS",
+__all__ = [  # noqa: RUF022 - plain sorted(), which tests/test_public_api.py checks
     "Backend",
     "BackendUnavailableError",
     "Failure",
@@ -47,6 +46,7 @@ __all__ = [
     "InvalidGradientError",
     "InvalidStateError",
     "LifecycleError",
+    "PRESETS",
     "PresetInfo",
     "ScaleCollapseError",
     "ScalerConfig",

@@ -61,6 +61,8 @@ class Model:
                 elif cfg.min_scale is not None and self.scale == np.float32(cfg.min_scale):
                     if cfg.at_min_scale == "raise":
                         raise RefusedError("floor")
+                    if cfg.hysteresis_refill == "on_clean_step_or_backoff":
+                        self.hyst = cfg.hysteresis
                 else:
                     new = self.mul(cfg.backoff_factor)
                     if cfg.min_scale is not None:
@@ -68,6 +70,8 @@ class Model:
                     if not (np.isfinite(new) and new >= F32_TINY):
                         raise RefusedError("collapse")
                     self.scale = new
+                    if cfg.hysteresis_refill == "on_clean_step_or_backoff":
+                        self.hyst = cfg.hysteresis
             self.skipped += 1
             self.consec += 1
         else:
@@ -81,8 +85,11 @@ class Model:
                         ok = ok and grown <= np.float32(cfg.max_scale)
                     if ok:
                         self.scale = grown
+                    elif cfg.at_max_scale == "clamp":
+                        top = np.finfo(np.float32).max if cfg.max_scale is None else cfg.max_scale
+                        self.scale = np.float32(top)
                     self.hyst = cfg.hysteresis
-                if cfg.hysteresis_refill == "on_clean_step":
+                if cfg.hysteresis_refill in ("on_clean_step", "on_clean_step_or_backoff"):
                     self.hyst = cfg.hysteresis
             self.consec = 0
         self.steps += 1

@@ -181,7 +181,7 @@ def test_cli_takes_a_users_policy_by_module_path(tmp_path: Path) -> None:
         text=True,
         check=True,
         timeout=120,
-        env={**os.environ, "PYTHONPATH": str(tmp_path)},
+        env={**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), *sys.path])},
     )
     names = [p["policy"] for p in json.loads(proc.stdout)["policies"]]
     assert names == ["cautious", "torch"]

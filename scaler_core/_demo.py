@@ -194,7 +194,7 @@ def load_dataset(name: str = "auto", seed: int = 0) -> Dataset:
 
     >>> d = load_dataset("synthetic")
     >>> d.x_train.shape, d.x_test.shape, int(d.y_train.max())
-    ((1437, 64), (360, 64), 9)
+    ((1438, 64), (359, 64), 9)
     """
     if name in ("auto", "digits"):
         try:

@@ -416,6 +416,18 @@ def train(
         DemoError: ``mode`` is unknown or the batch is larger than the data.
         ScaleCollapseError: The scaler refused to collapse the scale.
     """
+    with _quiet_numerics():
+        return _train(settings, mode, data, xp=xp, progress=progress)
+
+
+def _train(
+    settings: DemoSettings,
+    mode: str,
+    data: Dataset,
+    *,
+    xp: Any,
+    progress: Callable[[int], None] | None,
+) -> RunResult:
     if mode not in MODES:
         raise DemoError(f"mode={mode!r}, but it must be one of {list(MODES)}")
     if settings.batch_size > len(data.x_train):
@@ -554,7 +566,7 @@ def run_demo(
     if data is None:
         data = load_dataset(settings.dataset, settings.seed)
     runs: dict[str, RunResult] = {}
-    with _quiet_numerics(), _single_thread_blas():
+    with _single_thread_blas():
         for mode in MODES:
             report = None if progress is None else _bind(progress, mode)
             runs[mode] = train(settings, mode, data, xp=xp, progress=report)

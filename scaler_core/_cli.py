@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 from collections.abc import Sequence
 from typing import NoReturn
@@ -67,7 +68,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         argv: The arguments after the program name; ``sys.argv[1:]`` by default.
 
     Returns:
-        0 on success, 2 for bad input (one line on stderr), 130 on Ctrl-C.
+        0 on success, 2 for bad input (one line on stderr), 130 on Ctrl-C, 1 when
+        stdout is closed early.
     """
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -79,3 +81,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"scaler-core {args.command}: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:
+        # The reader went away (``scaler-core demo | head``): stop quietly, and keep
+        # Python from complaining again when it flushes stdout at exit.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import importlib
 import itertools
 import json
@@ -449,58 +450,43 @@ def _train(
         if mode == "float16+scaler"
         else None
     )
-    weight = f32(settings.loss_weight)
     step_size = settings.lr / settings.loss_weight
     batches = np.random.default_rng(settings.seed + 2)
 
-    def sgd(params: Params, momentum: Params, grads: Params) -> tuple[Params, Params]:
-        new_m = [
-            (0.9 * mw + gw, 0.9 * mb + gb)
-            for (mw, mb), (gw, gb) in zip(momentum, grads, strict=True)
-        ]
-        new_p = [
-            (w - step_size * mw, b - step_size * mb)
-            for (w, b), (mw, mb) in zip(params, new_m, strict=True)
-        ]
-        return new_p, new_m
+    # Pure functions of arrays, built once per library and dtype: JAX compiles
+    # them (eager JAX pays about a millisecond per operation); other libraries
+    # run them as they are.
+    grads_fn, count_fn, sgd_fn = _functions(xp, dtype)
+    reference_fn = _functions(xp, f32)[0]
+    lr = xp.asarray(step_size, dtype=f32)
+    weight = xp.asarray(settings.loss_weight, dtype=f32)
 
     losses: list[float] = []
     scales: list[float] = []
     skipped: list[int] = []
-    lost = subnormal = nonzero = 0
+    counts = np.zeros(3, np.int64)  # nonzero in float32, zero here, subnormal here
     start = time.perf_counter()
     for step in range(settings.steps):
         idx = batches.integers(0, len(data.x_train), settings.batch_size)
         xb = x_train[xp.asarray(idx)]
         onehot = xp.asarray((data.y_train[idx][:, None] == classes).astype(np.float32))
-        logits, inputs, pre = model.forward(params, xb, dtype)
-        loss, seed = model.loss_and_seed(logits, onehot)
-        seed = seed * weight
-        scale = 1.0 if scaler is None else scaler.scale
+        scale, factor = 1.0, weight
         if scaler is not None:
-            # Scaling the loss multiplies the gradient that seeds backward.
-            seed = scaler.scale_loss(seed)
-        grads = model.backward(params, inputs, pre, seed, dtype)
+            scale = scaler.scale
+            # Scaling the loss multiplies the gradient that seeds backward, so the
+            # scaled loss weight is all backward needs to know.
+            factor = scaler.scale_loss(weight)
+        loss, grads = grads_fn(params, xb, onehot, factor)
         if scaler is not None:
-            grads = [tuple(g) for g in scaler.unscale([list(g) for g in grads])]
-        if dtype != f32:
+            grads = scaler.unscale(grads)
+        if dtype != f32 and (scaler is None or not scaler.should_skip_step()):
             # The honest measure: the float32 gradients of the same weights and batch.
-            l32, i32, p32 = model.forward(params, xb, f32)
-            _, s32 = model.loss_and_seed(l32, onehot)
-            ref = model.backward(params, i32, p32, s32 * weight, f32)
-            if scaler is None or not scaler.should_skip_step():
-                for (rw, _), (gw, _) in zip(ref, grads, strict=True):
-                    nz = rw != 0
-                    nonzero += int(xp.sum(nz))
-                    lost += int(xp.sum(nz & (gw == 0)))
-                    # The float16 value was gw * scale (unscaling by a power of two is
-                    # exact): below 2**-14 it kept fewer than float16's 11 bits.
-                    tiny = xp.abs(gw * f32(scale)) < f32(FP16_MIN_NORMAL)
-                    subnormal += int(xp.sum(nz & (gw != 0) & tiny))
+            _, reference = reference_fn(params, xb, onehot, weight)
+            counts += _to_host(count_fn(reference, grads, xp.asarray(scale, dtype=f32)))
         if scaler is None:
-            params, momentum = sgd(params, momentum, grads)
+            params, momentum = sgd_fn(params, momentum, grads, lr)
         else:
-            stepped = scaler.step(sgd, params, momentum, grads)
+            stepped = scaler.step(sgd_fn, params, momentum, grads, lr)
             if stepped is None:
                 skipped.append(step)
             else:
@@ -510,6 +496,7 @@ def _train(
         scales.append(float(scale))
         if progress is not None:
             progress(step + 1)
+    nonzero, lost, subnormal = (int(c) for c in counts)
     test_loss, test_accuracy = _evaluate(model, params, data)
     return RunResult(
         mode=mode,
@@ -522,6 +509,58 @@ def _train(
         subnormal_share=None if dtype == f32 else subnormal / max(nonzero, 1),
         wall_time_s=time.perf_counter() - start,
     )
+
+
+@functools.lru_cache(maxsize=16)
+def _functions(xp: Any, dtype: Any) -> tuple[Callable[..., Any], ...]:
+    """``(loss_and_grads, count_lost, sgd)`` for one array library and dtype."""
+    model = _Model(xp)
+
+    def loss_and_grads(
+        params: Params, xb: Any, onehot: Any, factor: Any
+    ) -> tuple[Any, list[tuple[Any, Any]]]:
+        """The unweighted batch loss and the gradients of ``factor * loss``."""
+        logits, inputs, pre = model.forward(params, xb, dtype)
+        loss, seed = model.loss_and_seed(logits, onehot)
+        return loss, model.backward(params, inputs, pre, seed * factor, dtype)
+
+    def count_lost(reference: Params, grads: Params, scale: Any) -> Any:
+        return _count_lost(xp, reference, grads, scale)
+
+    compiled = _compiler(xp)
+    return compiled(loss_and_grads), compiled(count_lost), compiled(_sgd)
+
+
+def _sgd(params: Params, momentum: Params, grads: Params, lr: Any) -> tuple[Params, Params]:
+    """SGD with momentum 0.9 on the float32 master weights."""
+    new_m = [
+        (0.9 * mw + gw, 0.9 * mb + gb) for (mw, mb), (gw, gb) in zip(momentum, grads, strict=True)
+    ]
+    new_p = [(w - lr * mw, b - lr * mb) for (w, b), (mw, mb) in zip(params, new_m, strict=True)]
+    return new_p, new_m
+
+
+def _count_lost(xp: Any, reference: Params, grads: Params, scale: Any) -> Any:
+    """``[nonzero in float32, zero in grads, subnormal in float16]`` over weight gradients."""
+    nonzero = lost = subnormal = xp.zeros((), dtype=xp.int32)
+    for (rw, _), (gw, _) in zip(reference, grads, strict=True):
+        nz = rw != 0
+        nonzero = nonzero + xp.sum(nz.astype(xp.int32))
+        lost = lost + xp.sum((nz & (gw == 0)).astype(xp.int32))
+        # The float16 value was gw * scale (unscaling by a power of two is exact):
+        # below 2**-14 it kept fewer than float16's 11 significant bits.
+        tiny = xp.abs(gw * scale) < FP16_MIN_NORMAL
+        subnormal = subnormal + xp.sum((nz & (gw != 0) & tiny).astype(xp.int32))
+    return xp.stack([nonzero, lost, subnormal])
+
+
+def _compiler(xp: Any) -> Callable[[Any], Any]:
+    """``jax.jit`` for JAX; the identity for libraries that run eagerly anyway."""
+    if getattr(xp, "__name__", "") == "jax.numpy":
+        import jax  # noqa: PLC0415 (only reached when the user picked JAX)
+
+        return jax.jit  # type: ignore[no-any-return]
+    return lambda fn: fn
 
 
 def _evaluate(model: _Model, params: Params, data: Dataset) -> tuple[float, float]:

@@ -222,7 +222,7 @@ def test_model_runs_on_jax_arrays() -> None:
     pytest.importorskip("jax", reason="JAX is optional")
     import jax.numpy as jnp
 
-    settings = demo.DemoSettings(steps=3, dataset="synthetic")
+    settings = demo.DemoSettings(steps=3, depth=1, width=16, dataset="synthetic")
     data = demo.load_dataset("synthetic")
     # The float16 run also runs the float32 model (its underflow reference).
     a = demo.train(settings, "float16", data, xp=np)

@@ -37,6 +37,7 @@ import json
 import math
 import os
 import sys
+import textwrap
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
@@ -664,13 +665,14 @@ def format_summary(result: DemoResult) -> str:
         "measured at every step).",
     ]
     if plain.underflow_share is not None and scaled_run.underflow_share is not None:
-        lines.append(
+        lines += textwrap.wrap(
             f"Without scaling, float16 zeroed {_share(plain.underflow_share)} of the gradient "
             f"values and ended at test loss {plain.test_loss:.4f}; with scaler-core it zeroed "
             f"{_share(scaled_run.underflow_share)} and ended "
             f"{scaled_run.test_loss - ref.test_loss:+.4f} in loss and "
             f"{100 * (scaled_run.test_accuracy - ref.test_accuracy):+.1f} points of accuracy "
-            f"from float32, skipping {len(scaled_run.skipped)} of {s.steps} steps."
+            f"from float32, skipping {len(scaled_run.skipped)} of {s.steps} steps.",
+            width=90,
         )
     return "\n".join(lines)
 

@@ -98,6 +98,15 @@ def test_underflow_measure_is_not_constant() -> None:
     assert small.underflow_share > 10 * run.underflow_share
 
 
+def test_loss_weight_leaves_float32_training_unchanged() -> None:
+    """The README's claim: in float32 the power-of-two loss weight changes nothing."""
+    data = demo.load_dataset("synthetic")
+    plain = demo.train(demo.DemoSettings(steps=15, loss_weight=1.0), "float32", data)
+    weighted = demo.train(demo.DemoSettings(steps=15), "float32", data)
+    assert weighted.losses == plain.losses
+    assert weighted.test_loss == plain.test_loss
+
+
 def test_same_seed_same_numbers() -> None:
     settings = demo.DemoSettings(steps=10, dataset="synthetic")
     data = demo.load_dataset("synthetic")

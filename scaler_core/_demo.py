@@ -446,11 +446,8 @@ def _train(
     momentum: Params = [(xp.zeros_like(w), xp.zeros_like(b)) for w, b in params]
     x_train = xp.asarray(data.x_train)
     classes = np.arange(N_CLASSES)
-    scaler = (
-        GradScaler(settings.scaler_config(), backend=settings.backend)
-        if mode == "float16+scaler"
-        else None
-    )
+    # The scaler takes its backend from the arrays it is given, like user code does.
+    scaler = GradScaler(settings.scaler_config()) if mode == "float16+scaler" else None
     step_size = settings.lr / settings.loss_weight
     batches = np.random.default_rng(settings.seed + 2)
 

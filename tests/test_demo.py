@@ -6,6 +6,7 @@ settings (a few seconds) must already tell the three runs apart.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import struct
@@ -390,3 +391,19 @@ def test_cli_imports_no_optional_library() -> None:
         [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120
     )
     assert out.stdout.strip() == "[]"
+
+
+@pytest.mark.parametrize("backend", ["jax", "cupy"])
+def test_demo_on_other_backends(backend: str) -> None:
+    """Where a backend is installed, its demo gives NumPy's numbers up to rounding."""
+    if not _available(backend):
+        pytest.skip(f"the {backend} backend is not installed (its error path is tested above)")
+    if backend == "cupy":
+        pytest.importorskip("cupy", reason="CuPy is optional")
+    settings = demo.DemoSettings(steps=20, depth=1, width=16, dataset="synthetic")
+    data = demo.load_dataset("synthetic")
+    ours = demo.run_demo(dataclasses.replace(settings, backend=backend), data=data)
+    ref = demo.run_demo(settings, data=data)
+    for mode in demo.MODES:
+        assert ours.runs[mode].test_loss == pytest.approx(ref.runs[mode].test_loss, rel=1e-3)
+    assert ours.runs["float16+scaler"].skipped == ref.runs["float16+scaler"].skipped

@@ -1,7 +1,7 @@
-"""``scaler-core demo`` end to end at a small size: the numbers, the files, the CLI.
+"""``scaler-core demo`` end to end: the numbers, the files, the CLI.
 
-The full demo (400 steps) is what the README shows; here 150 steps of the same
-settings (a few seconds) must already tell the three runs apart.
+The full default demo (400 steps on the digits, a few seconds) runs once, to check
+the README's numbers; the synthetic task runs at 150 steps and the CLI at 20.
 """
 
 from __future__ import annotations
@@ -26,9 +26,10 @@ STEPS = 150
 
 
 @pytest.fixture(scope="module")
-def digits_result() -> demo.DemoResult:
+def full_result() -> demo.DemoResult:
+    """The full default demo, as the README's command runs it (a few seconds)."""
     pytest.importorskip("sklearn", reason="the digits dataset ships with scikit-learn")
-    return demo.run_demo(demo.DemoSettings(steps=STEPS, dataset="digits"))
+    return demo.run_demo(demo.DemoSettings())
 
 
 @pytest.fixture(scope="module")
@@ -54,9 +55,27 @@ def _check_three_runs(result: demo.DemoResult) -> None:
     assert ref.subnormal_share is None
 
 
-def test_digits_three_runs(digits_result: demo.DemoResult) -> None:
-    assert digits_result.dataset == "scikit-learn digits"
-    _check_three_runs(digits_result)
+def test_full_demo_three_runs(full_result: demo.DemoResult) -> None:
+    assert full_result.dataset == "scikit-learn digits"
+    _check_three_runs(full_result)
+
+
+def test_readme_table_is_what_the_demo_prints(full_result: demo.DemoResult) -> None:
+    """The numbers the README shows are the default demo's (to a few digits, any CPU)."""
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text(encoding="utf-8")
+    rows = {
+        mode: next(line for line in readme.splitlines() if line.startswith(label))
+        for mode, label in demo.MODE_LABELS.items()
+    }
+    for mode, row in rows.items():
+        run = full_result.runs[mode]
+        cells = row[len(demo.MODE_LABELS[mode]) :].split()
+        assert float(cells[0]) == pytest.approx(run.test_loss, rel=0.05, abs=0.002), row
+        assert float(cells[1].rstrip("%")) == pytest.approx(100 * run.test_accuracy, abs=1.0)
+        if run.underflow_share is not None:
+            assert float(cells[2].rstrip("%")) == pytest.approx(100 * run.underflow_share, abs=1)
+        if mode == "float16+scaler":
+            assert abs(int(cells[4]) - len(run.skipped)) <= 3, row
 
 
 def test_synthetic_three_runs(synthetic_result: demo.DemoResult) -> None:
@@ -117,34 +136,34 @@ def test_same_seed_same_numbers() -> None:
     assert a.test_loss == b.test_loss
 
 
-def test_summary_table(digits_result: demo.DemoResult) -> None:
-    text = demo.format_summary(digits_result)
+def test_summary_table(full_result: demo.DemoResult) -> None:
+    text = demo.format_summary(full_result)
     for label in demo.MODE_LABELS.values():
         assert label in text
-    plain = digits_result.runs["float16"]
+    plain = full_result.runs["float16"]
     assert f"{100 * plain.underflow_share:.1f}%" in text  # type: ignore[operator]
     assert "2^40 ->" in text
 
 
-def test_json_file(digits_result: demo.DemoResult, tmp_path: Path) -> None:
+def test_json_file(full_result: demo.DemoResult, tmp_path: Path) -> None:
     path = tmp_path / "demo.json"
-    demo.write_json(digits_result, str(path))
+    demo.write_json(full_result, str(path))
     data = json.loads(path.read_text())
     assert data["schema"] == demo.JSON_SCHEMA
     assert data["dataset"] == "scikit-learn digits"
-    assert data["settings"]["steps"] == STEPS
+    assert data["settings"]["steps"] == full_result.settings.steps
     assert set(data["runs"]) == set(demo.MODES)
-    for mode, run in digits_result.runs.items():
+    for mode, run in full_result.runs.items():
         saved = data["runs"][mode]
         assert saved["test_loss"] == run.test_loss
         assert saved["test_accuracy"] == run.test_accuracy
         assert saved["underflow_share"] == run.underflow_share
         assert saved["skipped_steps"] == len(run.skipped)
         assert saved["scales"] == run.scales
-        assert len(saved["losses"]) == STEPS
+        assert len(saved["losses"]) == full_result.settings.steps
     assert (
         data["runs"]["float16+scaler"]["final_scale"]
-        == digits_result.runs["float16+scaler"].scales[-1]
+        == full_result.runs["float16+scaler"].scales[-1]
     )
 
 
@@ -166,10 +185,10 @@ def _png_size(path: Path) -> tuple[int, int]:
     return width, height
 
 
-def test_plot_file(digits_result: demo.DemoResult, tmp_path: Path) -> None:
+def test_plot_file(full_result: demo.DemoResult, tmp_path: Path) -> None:
     pytest.importorskip("matplotlib", reason="--plot needs matplotlib")
     path = tmp_path / "demo.png"
-    demo.write_plot(digits_result, str(path))
+    demo.write_plot(full_result, str(path))
     assert _png_size(path) == (800, 650)
 
 

@@ -76,6 +76,7 @@ DTYPE_MAX: Mapping[str, float] = {
 EXAMPLE_TRACES: Mapping[str, str] = {
     "spikes": "mlp_fp16_spikes.csv",
     "nan-burst": "mlp_fp16_nan_burst.json",
+    "demo": "mlp_fp16_demo.json",
 }
 
 Policy = Callable[[ScalerState, Any], ScalerState]

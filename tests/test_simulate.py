@@ -37,9 +37,14 @@ def test_the_shipped_traces_load() -> None:
     burst = example_trace("nan-burst")
     assert burst.found is not None
     assert [i for i, f in enumerate(burst.found) if f] == list(range(700, 850))
+    demo = example_trace("demo")
+    assert demo.found is not None
+    assert len(demo) == 400
+    assert 0 < sum(demo.found) < 400
 
 
 def test_regenerating_the_traces_gives_the_shipped_files(tmp_path: Path) -> None:
+    pytest.importorskip("sklearn", reason="the demo trace trains on scikit-learn's digits")
     write_traces(tmp_path)
     for name, filename in EXAMPLE_TRACES.items():
         shipped, fresh = example_trace(name), load_trace(tmp_path / filename)

@@ -112,7 +112,12 @@ def deepspeed(
     raise_error_at_min_scale: bool = True,
 ) -> ScalerConfig:
     """DeepSpeed's ``DynamicLossScaler`` as its fp16 config builds it
-    (``hysteresis`` → ``delayed_shift`` = 2, ``min_loss_scale`` = 1)."""
+    (``hysteresis`` → ``delayed_shift`` = 2, ``min_loss_scale`` = 1).
+
+    ``init_scale`` is 2**32, the class default and older configs'
+    ``initial_scale_power=32``; recent DeepSpeed configs default to
+    ``initial_scale_power=16``: pass ``init_scale=2**16`` for those.
+    """
     return ScalerConfig(
         init_scale=init_scale,
         growth_factor=scale_factor,
@@ -253,7 +258,8 @@ PRESETS: Mapping[str, PresetInfo] = MappingProxyType(
                 "(other factors are refused). DeepSpeed raises a bare Exception at the "
                 "floor; we raise ScaleCollapseError and keep the state. The fused "
                 "FP16_Optimizer path has its own off-by-one growth rule (first growth "
-                "after scale_window + 1 clean steps), not reproduced. " + _INF_GROWTH,
+                "after scale_window + 1 clean steps), not reproduced. init_scale is 2**32 "
+                "(the class default; recent configs use initial_scale_power=16). " + _INF_GROWTH,
             ),
             PresetInfo(
                 "jmp",

@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import hashlib
 import struct
 import sys
@@ -49,6 +50,7 @@ from typing import Any
 import numpy as np
 
 from ._backend import backend_for
+from ._config import ScalerConfig
 from ._errors import InvalidConfigError, ReplicaMismatchError
 from ._state import DATA_FIELDS, ScalerState, host_flag
 from ._tree import leaves_with_paths
@@ -65,7 +67,8 @@ __all__ = [
 #: between replicas negligible.
 DIGEST_SIZE = 16
 _DOMAIN = b"scaler_core.fingerprint/1"
-_F32 = struct.Struct("<f")
+#: scale (float32) and the six int32 counters of DATA_FIELDS, little-endian.
+_STATE = struct.Struct("<f6q")
 
 
 def _need_comm(comm: Any, *methods: str) -> None:
@@ -79,6 +82,8 @@ def _need_comm(comm: Any, *methods: str) -> None:
 
 
 def _flag_to_bool(found: Any) -> bool:
+    if type(found) is np.bool_ or type(found) is bool:  # the common case, in well under 1 us
+        return bool(found)
     flag = host_flag(found)
     if flag is not None:
         return flag
@@ -199,21 +204,24 @@ def _need_state(state: object) -> ScalerState:
     return state
 
 
+@functools.lru_cache(maxsize=64)
+def _config_bytes(config: ScalerConfig) -> bytes:
+    """The config's canonical encoding (configs are frozen, so it is computed once)."""
+    return b"".join(
+        b"\0config." + f.name.encode() + b"=" + _canonical(getattr(config, f.name))
+        for f in dataclasses.fields(config)
+    )
+
+
 def _digest(state: ScalerState, params: Any) -> bytes:
-    h = hashlib.blake2b(digest_size=DIGEST_SIZE, person=b"scaler_core")
-    h.update(_DOMAIN)
-    for field in dataclasses.fields(state.config):
-        h.update(b"\0config." + field.name.encode() + b"=")
-        h.update(_canonical(getattr(state.config, field.name)))
-    for name, value in _host_fields(state).items():
-        h.update(b"\0state." + name.encode() + b"=")
-        # The scale by its float32 bits: a state is float32 by contract.
-        h.update(_F32.pack(value) if name == "scale" else str(value).encode())
+    h = hashlib.blake2b(_DOMAIN, digest_size=DIGEST_SIZE, person=b"scaler_core")
+    h.update(_config_bytes(state.config))
+    # The scale by its float32 bits (a state is float32 by contract), the counters as int64.
+    h.update(_STATE.pack(*_host_fields(state).values()))
     if params is not None:
         for path, leaf in _param_leaves(params):
-            h.update(b"\0" + path.encode() + b"=")
             data = _leaf_bytes(path, leaf)[1]
-            h.update(len(data).to_bytes(8, "little"))
+            h.update(b"\0" + path.encode() + b"=" + len(data).to_bytes(8, "little"))
             h.update(data)
     return h.digest()
 

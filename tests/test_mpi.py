@@ -247,3 +247,23 @@ def test_readme_example_runs_with_four_processes(launcher: Launcher) -> None:
     assert lines[0].startswith("4 replicas agree: fingerprint ")
     assert lines[1] == "steps=200 skipped=4 scale=16384.0"
     assert float(lines[2].rsplit("=", 1)[1]) < 1e-4
+
+
+def _readme_mpi_blocks() -> list[str]:
+    text = (HERE.parent / "README.md").read_text(encoding="utf-8")
+    section = text.split("## Data parallel (MPI)\n", 1)[1].split("\n## ", 1)[0]
+    return [block.split("```", 1)[0] for block in section.split("```python\n")[1:]]
+
+
+def test_readme_shows_the_tested_example_file_verbatim() -> None:
+    blocks = _readme_mpi_blocks()
+    assert blocks[0] == EXAMPLE.read_text(encoding="utf-8")
+
+
+def test_readme_functional_snippet_runs_under_mpiexec(launcher: Launcher, tmp_path: Path) -> None:
+    snippet = tmp_path / "snippet.py"
+    snippet.write_text(_readme_mpi_blocks()[1], encoding="utf-8")
+    run = _launch(launcher, 2, [str(snippet)])
+    assert run.returncode == 0, run.stderr
+    lines = sorted(run.stdout.splitlines())
+    assert lines == ["0 True 32768.0 [0. 0. 0. 0.]", "1 True 32768.0 [0. 0. 0. 0.]"]

@@ -16,6 +16,7 @@ __all__ = [
     "InvalidStateError",
     "LifecycleError",
     "ReplicaMismatchError",
+    "ReplicaTimeoutError",
     "ScaleCollapseError",
     "ScalerError",
     "SkipLimitError",
@@ -87,3 +88,13 @@ class ReplicaMismatchError(ScalerError, RuntimeError):
         super().__init__(message)
         self.groups: list[list[int]] = [] if groups is None else groups
         self.differences: dict[str, dict[int, object]] = {} if differences is None else differences
+
+
+class ReplicaTimeoutError(ScalerError, TimeoutError):
+    """Not every replica joined a collective within the ``timeout`` given.
+
+    One replica has stopped: it raised, left its training loop early (uneven
+    data shards), or waits in a different collective. The communicator cannot
+    be used any more; abort the job (:func:`scaler_core.distributed.abort_on_error`
+    does it when this error reaches it).
+    """

@@ -41,9 +41,13 @@ import contextlib
 import dataclasses
 import functools
 import hashlib
+import math
+import numbers
+import os
 import struct
 import sys
 import threading
+import time
 import traceback
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -52,7 +56,7 @@ import numpy as np
 
 from ._backend import backend_for
 from ._config import ScalerConfig
-from ._errors import InvalidConfigError, ReplicaMismatchError
+from ._errors import InvalidConfigError, ReplicaMismatchError, ReplicaTimeoutError
 from ._state import DATA_FIELDS, ScalerState, host_flag
 from ._tree import leaves_with_paths
 
@@ -70,6 +74,8 @@ DIGEST_SIZE = 16
 _DOMAIN = b"scaler_core.fingerprint/1"
 _MPI: Any = None
 _buffers = threading.local()
+#: Timed-out requests, kept alive with their buffers (MPI may still write to them).
+_abandoned: list[tuple[Any, Any]] = []
 #: scale (float32) and the six int32 counters of DATA_FIELDS, little-endian.
 _STATE = struct.Struct("<f6q")
 
@@ -94,7 +100,7 @@ def _flag_to_bool(found: Any) -> bool:
     return backend_for(found).to_bool(found)
 
 
-def allreduce_found(found: Any, comm: Any) -> np.bool_:
+def allreduce_found(found: Any, comm: Any, *, timeout: float | None = None) -> np.bool_:
     """OR a found-non-finite flag across every process of ``comm``.
 
     One ``MPI_Allreduce`` of one byte with ``MPI.LOR``: the result is true on
@@ -106,14 +112,24 @@ def allreduce_found(found: Any, comm: Any) -> np.bool_:
             device array (read to the host first).
         comm: An mpi4py communicator (``MPI.COMM_WORLD``, or a sub-communicator
             holding exactly the data-parallel replicas).
+        timeout: ``None`` (the default) waits as long as MPI does, i.e. for
+            ever if a rank never joins. A number of seconds makes the wait
+            bounded: the reduction runs as ``MPI_Iallreduce`` polled with
+            ``MPI_Test`` (spinning first, then sleeping up to 1 ms between
+            polls), and :class:`~scaler_core.ReplicaTimeoutError` is raised if
+            some rank has not joined by then.
 
     Returns:
         The OR over all processes, as a NumPy bool (a host flag that
         :func:`scaler_core.update` and :class:`scaler_core.GradScaler` accept).
 
     Raises:
-        InvalidConfigError: ``comm`` is not a communicator.
+        InvalidConfigError: ``comm`` is not a communicator, or ``timeout`` is
+            not ``None`` or a positive, finite number of seconds.
         GradientTypeError: ``found`` is not a boolean flag.
+        ReplicaTimeoutError: ``timeout`` passed before every rank joined. The
+            communicator is unusable afterwards: abort the job
+            (:func:`abort_on_error` does so when the error reaches it).
 
     Example (under ``mpiexec``)::
 
@@ -123,11 +139,26 @@ def allreduce_found(found: Any, comm: Any) -> np.bool_:
             params -= lr * grads
         state = scaler_core.update(state, found)
     """
-    _need_comm(comm, "Allreduce")
-    return _allreduce_or(_flag_to_bool(found), comm)
+    _need_comm(comm, "Allreduce", *(() if timeout is None else ("Iallreduce",)))
+    return _allreduce_or(_flag_to_bool(found), comm, _need_timeout(timeout))
 
 
-def _allreduce_or(flag: bool, comm: Any) -> np.bool_:
+def _need_timeout(timeout: object) -> float | None:
+    if timeout is None:
+        return None
+    if (
+        isinstance(timeout, bool)
+        or not isinstance(timeout, numbers.Real)
+        or not 0 < float(timeout) < math.inf
+    ):
+        raise InvalidConfigError(
+            f"timeout={timeout!r}, but it must be None (wait as long as MPI does) or a "
+            f"positive, finite number of seconds"
+        )
+    return float(timeout)
+
+
+def _allreduce_or(flag: bool, comm: Any, timeout: float | None) -> np.bool_:
     mpi = _mpi()
     # One buffer per thread, reused: a fresh buffer each step cost MPICH ~15 us more per
     # call (measured with 2 ranks here), more than the rest of this function.
@@ -135,8 +166,38 @@ def _allreduce_or(flag: bool, comm: Any) -> np.bool_:
     if buf is None:
         buf = _buffers.flag = np.zeros(1, dtype=np.uint8)
     buf[0] = flag
-    comm.Allreduce(mpi.IN_PLACE, buf, op=mpi.LOR)
+    if timeout is None:
+        comm.Allreduce(mpi.IN_PLACE, buf, op=mpi.LOR)
+    else:
+        request = comm.Iallreduce(mpi.IN_PLACE, buf, op=mpi.LOR)
+        if not _wait(request, timeout):
+            # MPI cannot cancel a collective: the request (and the buffer it writes to)
+            # must outlive this call, and this thread gets a fresh buffer next time.
+            _abandoned.append((request, buf))
+            _buffers.flag = None
+            rank, size = comm.Get_rank(), comm.Get_size()
+            raise ReplicaTimeoutError(
+                f"rank {rank} of {size} waited timeout={timeout!r} s for the other ranks to "
+                f"join the found-flag reduction; at least one has stopped (it raised, left "
+                f"its training loop early, e.g. on uneven data shards, or waits in another "
+                f"collective). The communicator is unusable now: abort the job "
+                f"(abort_on_error(comm) does it) and look at the other ranks' output."
+            )
     return np.bool_(buf[0] != 0)
+
+
+def _wait(request: Any, timeout: float) -> bool:
+    """Poll ``request`` until it completes (True) or ``timeout`` seconds pass (False)."""
+    deadline = time.monotonic() + timeout
+    spins, pause = 0, 0.0
+    while not request.Test():
+        spins += 1
+        if spins > 64:  # a healthy step completes while spinning; then stop burning a core
+            if time.monotonic() >= deadline:
+                return False
+            pause = min(max(2 * pause, 1e-5), 1e-3)
+            time.sleep(pause)
+    return True
 
 
 def _mpi() -> Any:
@@ -148,7 +209,7 @@ def _mpi() -> Any:
     return _MPI
 
 
-def found_reducer(comm: Any) -> Callable[[Any], np.bool_]:
+def found_reducer(comm: Any, *, timeout: float | None = None) -> Callable[[Any], np.bool_]:
     """A ``reduce_found`` hook for :class:`scaler_core.GradScaler` over ``comm``.
 
     The facade calls it once per step, on the OR of the local gradient groups,
@@ -158,18 +219,20 @@ def found_reducer(comm: Any) -> Callable[[Any], np.bool_]:
 
     Args:
         comm: An mpi4py communicator holding the data-parallel replicas.
+        timeout: Bound on each wait, in seconds (see :func:`allreduce_found`).
 
     Returns:
-        ``found -> allreduce_found(found, comm)``.
+        ``found -> allreduce_found(found, comm, timeout=timeout)``.
 
     Raises:
-        InvalidConfigError: ``comm`` is not a communicator (checked now, not at
-            the first step).
+        InvalidConfigError: ``comm`` is not a communicator, or ``timeout`` is
+            invalid (checked now, not at the first step).
     """
-    _need_comm(comm, "Allreduce")
+    _need_comm(comm, "Allreduce", *(() if timeout is None else ("Iallreduce",)))
+    seconds = _need_timeout(timeout)
 
     def reduce_found(found: Any) -> np.bool_:
-        return _allreduce_or(_flag_to_bool(found), comm)
+        return _allreduce_or(_flag_to_bool(found), comm, seconds)
 
     return reduce_found
 
@@ -404,8 +467,10 @@ def abort_on_error(comm: Any, errorcode: int = 1) -> Iterator[None]:
     exception (or ``KeyboardInterrupt``) is printed to stderr with the rank,
     then ``comm.Abort(errorcode)`` terminates every process of the job; the
     launcher (``mpiexec``) exits nonzero. ``sys.exit(0)`` passes through
-    untouched. (``python -m mpi4py train.py`` gives the same behaviour for
-    uncaught exceptions of a whole script.)
+    untouched. If ``MPI_Abort`` returns (MPICH does once another rank has
+    finalized), the process ends at once with ``os._exit(errorcode)``.
+    (``python -m mpi4py train.py`` gives the same abort for uncaught
+    exceptions of a whole script.)
 
     Args:
         comm: The communicator to abort (``MPI.COMM_WORLD`` ends the job).
@@ -443,8 +508,15 @@ def _abort(comm: Any, errorcode: int, exc: BaseException) -> None:
     text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
     sys.stderr.write(
         f"{text}scaler_core.distributed.abort_on_error: rank {rank} of {size} raised "
-        f"{type(exc).__name__}: {exc}; calling comm.Abort({errorcode}) so the other ranks "
-        f"do not wait forever in their next collective\n"
+        f"{type(exc).__name__} (traceback above); calling comm.Abort({errorcode}) so the "
+        f"other ranks do not wait forever in their next collective\n"
     )
+    sys.stdout.flush()
     sys.stderr.flush()
     comm.Abort(errorcode)
+    mpi = sys.modules.get("mpi4py.MPI")
+    if mpi is not None and isinstance(comm, mpi.Comm):
+        # MPI_Abort returned: MPICH does so once another rank has finalized, and the
+        # launcher kills this process a moment later. Exit now rather than unwind into
+        # interpreter shutdown (a second traceback, then MPI_Finalize at exit).
+        os._exit(errorcode)

@@ -13,6 +13,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+import time
 from typing import Any
 
 import numpy as np
@@ -20,6 +21,7 @@ import pytest
 
 import scaler_core as sc
 from scaler_core.distributed import (
+    _wait,  # the polling loop behind timeout=
     abort_on_error,
     allreduce_found,
     check_consistent,
@@ -363,3 +365,55 @@ def test_abort_errorcode_must_be_a_nonzero_exit_code(errorcode: Any) -> None:
         abort_on_error(AbortRecorder(), errorcode=errorcode),
     ):
         pass
+
+
+# ------------------------------------------------------------------ bounded wait
+def test_replica_timeout_error_is_a_scaler_error_and_a_timeout_error() -> None:
+    assert issubclass(sc.ReplicaTimeoutError, sc.ScalerError)
+    assert issubclass(sc.ReplicaTimeoutError, TimeoutError)
+
+
+class IallreduceComm(CountingComm):
+    def Iallreduce(self, *args: Any, **kwargs: Any) -> None:
+        self.calls.append("Iallreduce")
+
+
+@pytest.mark.parametrize("timeout", [0, -1.0, float("inf"), float("nan"), True, "5"])
+def test_a_bad_timeout_is_refused_by_name_before_any_collective(timeout: Any) -> None:
+    comm = IallreduceComm()
+    pattern = rf"timeout={timeout!r}, but it must be None .* or a positive, finite number"
+    with pytest.raises(sc.InvalidConfigError, match=pattern):
+        allreduce_found(True, comm, timeout=timeout)
+    with pytest.raises(sc.InvalidConfigError, match=pattern):
+        found_reducer(comm, timeout=timeout)
+    assert comm.calls == []
+
+
+def test_a_timeout_needs_a_nonblocking_allreduce() -> None:
+    with pytest.raises(sc.InvalidConfigError, match=r"it has no Iallreduce"):
+        found_reducer(CountingComm(), timeout=1.0)
+
+
+class SlowRequest:
+    def __init__(self, done_after: float) -> None:
+        self.done_at = time.monotonic() + done_after
+        self.tests = 0
+
+    def Test(self) -> bool:
+        self.tests += 1
+        return time.monotonic() >= self.done_at
+
+
+def test_the_bounded_wait_returns_when_the_request_completes() -> None:
+    request = SlowRequest(done_after=0.05)
+    start = time.monotonic()
+    assert _wait(request, timeout=5.0) is True
+    assert time.monotonic() - start < 1.0  # polled at least every 1 ms, not slept through
+    assert request.tests > 64  # it spun first, then slept between polls
+
+
+def test_the_bounded_wait_gives_up_at_the_timeout() -> None:
+    request = SlowRequest(done_after=1e9)
+    start = time.monotonic()
+    assert _wait(request, timeout=0.2) is False
+    assert 0.2 <= time.monotonic() - start < 1.0

@@ -33,9 +33,12 @@ table = []
 for pattern in itertools.product([False, True], repeat=size):
     for kind, make in kinds.items():
         got = allreduce_found(make(pattern[rank]), comm)
-        table.append(
-            [list(pattern), kind, f"{type(got).__module__}.{type(got).__name__}", bool(got)]
-        )
+        got_type = f"{type(got).__module__}.{type(got).__name__}"
+        table.append([list(pattern), kind, got_type, bool(got)])
+    # The bounded wait (MPI_Iallreduce polled with MPI_Test) computes the same OR.
+    got = allreduce_found(pattern[rank], comm, timeout=30.0)
+    got_type = f"{type(got).__module__}.{type(got).__name__}"
+    table.append([list(pattern), "bool, timeout", got_type, bool(got)])
 out["table"] = table
 
 # The GradScaler hook: one reduction per step, whatever the number of groups and queries.

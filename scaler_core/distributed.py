@@ -68,8 +68,8 @@ __all__ = [
     "found_reducer",
 ]
 
-#: Bytes of a fingerprint digest (BLAKE2b); 128 bits make a chance collision
-#: between replicas negligible.
+#: Bytes of a fingerprint digest (SHA-256, truncated); 128 bits make a chance
+#: collision between replicas negligible.
 DIGEST_SIZE = 16
 _DOMAIN = b"scaler_core.fingerprint/1"
 _MPI: Any = None
@@ -256,19 +256,22 @@ def _host_fields(state: ScalerState) -> dict[str, float | int]:
     return out
 
 
-def _leaf_bytes(path: str, leaf: Any) -> tuple[np.ndarray, bytes]:
+def _leaf(path: str, leaf: Any) -> tuple[np.ndarray, bytes, memoryview]:
+    """``(array, header, data)``: the leaf as an array, its dtype and shape, its bytes.
+
+    ``data`` is a byte view of a little-endian, C-contiguous version of the
+    array (no copy for the usual native little-endian contiguous arrays), so the
+    same values give the same bytes on every platform and for every layout.
+    """
     array = np.asarray(leaf)
     if array.dtype.hasobject:
         raise InvalidConfigError(
             f"{path} has dtype object, but fingerprint() needs numeric arrays; pass only "
             f"the parameter arrays"
         )
-    # Little-endian bytes of a C-contiguous copy: the same values give the same
-    # bytes on every platform and for every memory layout.
-    if array.dtype.byteorder == ">":
-        array = array.astype(array.dtype.newbyteorder("<"))
+    array = np.ascontiguousarray(array.astype(array.dtype.newbyteorder("<"), copy=False))
     header = f"{array.dtype.str}|{array.shape}".encode()
-    return array, header + b"|" + np.ascontiguousarray(array).tobytes()
+    return array, header, array.reshape(-1).view(np.uint8).data
 
 
 def _param_leaves(params: Any) -> list[tuple[str, Any]]:
@@ -296,16 +299,18 @@ def _config_bytes(config: ScalerConfig) -> bytes:
 
 
 def _digest(state: ScalerState, params: Any) -> bytes:
-    h = hashlib.blake2b(_DOMAIN, digest_size=DIGEST_SIZE, person=b"scaler_core")
+    # SHA-256 (truncated): hardware-accelerated on current x86 and ARM CPUs, about twice
+    # BLAKE2b's speed here, which matters when parameters are hashed too.
+    h = hashlib.sha256(_DOMAIN)
     h.update(_config_bytes(state.config))
     # The scale by its float32 bits (a state is float32 by contract), the counters as int64.
     h.update(_STATE.pack(*_host_fields(state).values()))
     if params is not None:
         for path, leaf in _param_leaves(params):
-            data = _leaf_bytes(path, leaf)[1]
-            h.update(b"\0" + path.encode() + b"=" + len(data).to_bytes(8, "little"))
+            _, header, data = _leaf(path, leaf)
+            h.update(b"\0" + path.encode() + b"=" + header + len(data).to_bytes(8, "little"))
             h.update(data)
-    return h.digest()
+    return h.digest()[:DIGEST_SIZE]
 
 
 def fingerprint(state: ScalerState, params: Any = None) -> str:
@@ -325,7 +330,7 @@ def fingerprint(state: ScalerState, params: Any = None) -> str:
             accepts). Leaves are taken in sorted path order.
 
     Returns:
-        32 hexadecimal characters (128 bits of BLAKE2b).
+        32 hexadecimal characters (128 bits of SHA-256).
 
     Raises:
         InvalidConfigError: ``state`` is not a ScalerState, or a parameter leaf
@@ -353,8 +358,10 @@ def _describe(state: ScalerState, params: Any) -> dict[str, object]:
     out.update({f"state.{name}": value for name, value in _host_fields(state).items()})
     if params is not None:
         for path, leaf in _param_leaves(params):
-            array, data = _leaf_bytes(path, leaf)
-            digest = hashlib.blake2b(data, digest_size=8).hexdigest()
+            array, header, data = _leaf(path, leaf)
+            h = hashlib.sha256(header)
+            h.update(data)
+            digest = h.hexdigest()[:16]
             out[path] = f"{array.dtype.name}{list(array.shape)} with digest {digest}"
     return out
 

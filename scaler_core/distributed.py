@@ -19,6 +19,10 @@ A replica that raises while the others wait in a collective would leave them
 waiting forever (MPI has no timeout). :func:`abort_on_error` wraps the training
 loop: on an exception it prints the error with the rank to stderr and calls
 ``comm.Abort()``, which ends every process of the job with a nonzero exit code.
+A replica that stops without raising (out of data first, or stuck in another
+collective) is caught by ``timeout=``: the waiting replicas raise
+:class:`~scaler_core.ReplicaTimeoutError`, which the guard turns into the same
+abort.
 
 mpi4py is imported only inside the functions that talk to MPI (importing this
 module never imports it); the communicator is always passed in. Install with

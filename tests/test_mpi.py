@@ -233,12 +233,33 @@ def test_a_rank_that_raises_aborts_the_whole_job(launcher: Launcher) -> None:
     assert run.seconds < 30
 
 
-def test_without_the_guard_the_other_ranks_hang(launcher: Launcher) -> None:
+def test_without_the_guard_the_other_ranks_hang(launcher: Launcher, tmp_path: Path) -> None:
     # The behaviour abort_on_error exists to prevent: rank 1 dies of its exception, rank 0
-    # waits in the next step's collective until we kill the job.
-    run = _launch(launcher, 2, [str(SCRIPTS / "raises.py")], timeout=4)
-    assert run.returncode is None, f"expected a hang, got rc={run.returncode}\n{run.stderr}"
-    assert "ScaleCollapseError" in run.stderr
+    # waits in the next step's collective, and the job runs on until it is killed.
+    marker = tmp_path / "raised"
+    script = [str(SCRIPTS / "raises.py"), "--marker", str(marker)]
+    proc = subprocess.Popen(
+        [launcher.mpiexec, "-n", "2", sys.executable, *script],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=launcher.env,
+        start_new_session=True,
+    )
+    try:
+        deadline = time.monotonic() + TIMEOUT_S
+        while not marker.exists():
+            assert proc.poll() is None, "the job ended before rank 1 raised"
+            assert time.monotonic() < deadline, "rank 1 never raised"
+            time.sleep(0.05)
+        time.sleep(2.0)
+        still_running = proc.poll() is None  # 2 s after rank 1 raised, nothing ended the job
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        _, err = proc.communicate()
+    assert still_running, f"expected a hang, got rc={proc.returncode}\n{err}"
+    assert marker.read_text(encoding="utf-8") == "rank 1 raised"
+    assert "ScaleCollapseError" in err
 
 
 def test_a_rank_that_stops_early_times_out_then_aborts_the_job(launcher: Launcher) -> None:

@@ -107,7 +107,7 @@ class _Kernels:
                 module = self._modules.get(device)
                 if module is None:
                     # No fast-math: subnormals and IEEE rounding must match NumPy.
-                    module = cupy.RawModule(code=kernel_source(), options=("--std=c++14",))
+                    module = cupy.RawModule(code=kernel_source())
                     self._modules[device] = module
                 fn = module.get_function(name)
                 self._functions[(device, name)] = fn
@@ -412,9 +412,16 @@ def _device_flag(found: Any, what: str = "found") -> Any:
     elif isinstance(found, (bool, np.bool_)):
         return cupy.full((), bool(found), dtype=np.bool_)
     raise GradientTypeError(
-        f"{what}={found!r}, but it must be a bool or a 0-d cupy bool array; pass the flag "
-        f"returned by unscale() or find_non_finite()"
+        f"{what}={_describe(found)}, but it must be a bool or a 0-d cupy bool array; pass the "
+        f"flag returned by unscale() or find_non_finite()"
     )
+
+
+def _describe(value: Any) -> str:
+    # repr() of a device array copies it to the host; name its type, shape and dtype instead.
+    if isinstance(value, _NDARRAY):
+        return f"<cupy array shape={value.shape} dtype={value.dtype}>"
+    return repr(value)
 
 
 def _where(flag: Any, a: Any, b: Any) -> Any:
@@ -552,12 +559,13 @@ def nccl_reduce_found(comm: Any, *, stream: Any = None) -> Callable[[Any], Any]:
     """
     if not callable(getattr(comm, "allReduce", None)):
         raise InvalidConfigError(
-            f"comm={comm!r}, but it must be a cupy.cuda.nccl.NcclCommunicator (with an "
+            f"comm={_describe(comm)}, but it must be a cupy.cuda.nccl.NcclCommunicator (with an "
             f"allReduce method); create one per rank with NcclCommunicator(n_ranks, uid, rank)"
         )
     if stream is not None and not isinstance(stream, cupy.cuda.Stream):
         raise InvalidConfigError(
-            f"stream={stream!r}, but it must be a cupy.cuda.Stream or None (the current stream)"
+            f"stream={_describe(stream)}, but it must be a cupy.cuda.Stream or None "
+            f"(the current stream)"
         )
     constants = _nccl_constants()
 

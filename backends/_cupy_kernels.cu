@@ -62,7 +62,7 @@ struct BFloat16 {
         float f = __fmul_rn(__uint_as_float(((u32)x) << 16), inv);
         u32 u = __float_as_uint(f);
         if ((u & 0x7fffffffu) > 0x7f800000u) {
-            return (S)((u >> 16) | 0x0040u);  // NaN stays NaN (quiet)
+            return (S)((u >> 16) & 0x8000u ? 0xffc0u : 0x7fc0u);  // quiet NaN, as ml_dtypes
         }
         return (S)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);  // round to nearest even
     }
@@ -92,7 +92,7 @@ __device__ __forceinline__ bool process_chunk(typename T::S* __restrict__ p, lon
 #pragma unroll
             for (int k = 0; k < SC_ILP; ++k) {
                 const long long jj = j + (long long)k * blockDim.x;
-                if (jj < nv) v[k].u = pv[jj];
+                if (jj < nv) v[k].u = __ldcs(pv + jj);  // streamed: every byte is used once
             }
 #pragma unroll
             for (int k = 0; k < SC_ILP; ++k) {
@@ -103,7 +103,7 @@ __device__ __forceinline__ bool process_chunk(typename T::S* __restrict__ p, lon
                         if (MUL) v[k].s[e] = T::mul(v[k].s[e], inv);
                         bad |= T::bad(v[k].s[e]);
                     }
-                    if (MUL) pv[jj] = v[k].u;
+                    if (MUL) __stcs(pv + jj, v[k].u);
                 }
             }
         }

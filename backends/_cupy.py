@@ -58,6 +58,7 @@ _BLOCK = 512  # SC_BLOCK in the kernel source
 _BLOCKS_PER_SM = 4  # 2048 resident threads per SM / 512
 _ACCEPTED = "float16, bfloat16, float32 or float64"
 _SUFFIX = {dt: dt.name for dt in FLOAT_DTYPES}
+_BF16 = FLOAT_DTYPES[1]
 _UINT = {2: np.dtype(np.uint16), 4: np.dtype(np.uint32), 8: np.dtype(np.uint64)}
 _NDARRAY = cupy.ndarray
 _TABLE_CACHE_SIZE = 64
@@ -505,7 +506,13 @@ class CupyBackend:
             factor = scale_dev.astype(dtype)
         else:  # the scale is a float32 value, as on a device state
             factor = dtype.type(np.float32(scale))
-        return cupy.multiply(loss.astype(dtype, copy=False), factor)
+        if loss.dtype == _BF16:
+            # Widen by bits (exact), so no bfloat16 arithmetic kernel is needed.
+            bits = cupy.left_shift(loss.view(np.uint16).astype(np.uint32), np.uint32(16))
+            wide = bits.view(np.float32).astype(dtype, copy=False)
+        else:
+            wide = loss.astype(dtype, copy=False)
+        return cupy.multiply(wide, factor)
 
     def select(self, found: Any, on_skip: Any, on_step: Any) -> Any:
         """See :meth:`scaler_core.Backend.select`: ``cupy.where`` leaf by leaf, no sync."""

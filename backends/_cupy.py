@@ -136,14 +136,32 @@ class _Group:
 
 
 class _Plan:
-    """What one gradient tree needs: groups of contiguous arrays, strided leaves."""
+    """What one gradient tree needs: groups of contiguous arrays, strided leaves.
 
-    __slots__ = ("device", "groups", "refs", "strided")
+    ``valid`` drops to false when any of the plan's arrays is garbage collected
+    (a weak-reference callback), so while it is true the identities the plan
+    was cached under still name the very same, live array objects.
+    """
 
-    def __init__(
-        self, device: int, groups: list[_Group], strided: list[int], refs: list[Any]
-    ) -> None:
-        self.device, self.groups, self.strided, self.refs = device, groups, strided, refs
+    __slots__ = ("__weakref__", "device", "groups", "refs", "strided", "valid")
+
+    def __init__(self, device: int, groups: list[_Group], strided: list[int]) -> None:
+        self.device, self.groups, self.strided = device, groups, strided
+        self.valid = True
+        self.refs: list[Any] = []
+
+    def watch(self, leaves: list[Any]) -> None:
+        invalidate = _invalidator(weakref.ref(self))
+        self.refs = [weakref.ref(x, invalidate) for x in leaves]
+
+
+def _invalidator(plan_ref: Any) -> Callable[[Any], None]:
+    def invalidate(_dead: Any) -> None:
+        plan = plan_ref()
+        if plan is not None:
+            plan.valid = False
+
+    return invalidate
 
 
 _TABLES: OrderedDict[tuple[Any, ...], Any] = OrderedDict()
@@ -177,20 +195,6 @@ def _group(device: int, dtype: np.dtype[Any], entries: list[tuple[int, int]]) ->
                 _TABLES.popitem(last=False)
     n_chunks = table.size // 2
     return _Group(_SUFFIX[dtype], table, n_chunks, min(n_chunks, _KERNELS.max_grid(device)))
-
-
-def _flat(grads: Any) -> list[Any] | None:
-    """The leaves of a flat list, tuple or dict of CuPy arrays (the fast path), else None."""
-    typ = type(grads)
-    if typ is list or typ is tuple:
-        items = grads
-    elif typ is dict:
-        items = list(grads.values())
-    else:
-        return None
-    if all(type(x) is _NDARRAY for x in items):
-        return list(items)
-    return None
 
 
 def _validated(grads: Any) -> tuple[list[Any], list[str]]:
@@ -240,39 +244,44 @@ def _build_plan(leaves: list[Any]) -> _Plan:
         else:
             strided.append(i)
     groups = [_group(device, dt, entries) for dt, entries in by_dtype.items()]
-    return _Plan(device, groups, strided, [weakref.ref(x) for x in leaves])
+    return _Plan(device, groups, strided)
 
 
-def _same(refs: list[Any], leaves: list[Any]) -> bool:
-    # A list comprehension is cheaper than a generator here (2000 leaves per call).
-    return all([r() is x for r, x in zip(refs, leaves, strict=True)])  # noqa: C419
+def _cached(key: tuple[int, ...]) -> _Plan | None:
+    with _CACHE_LOCK:
+        plan = _PLANS.get(key)
+        if plan is not None:
+            if plan.valid:
+                _PLANS.move_to_end(key)
+                return plan
+            del _PLANS[key]
+    return None
 
 
 def _plan(grads: Any) -> tuple[_Plan, list[Any]]:
     """The validated plan for ``grads`` and its leaves; cached for repeated trees.
 
-    The cache is keyed by the leaves' identities and verified through weak
-    references, so a hit proves the very same array objects (whose pointer,
-    size, dtype and layout cannot change) are passed again, and it never keeps
-    a gradient alive.
+    The cache is keyed by the leaves' identities. A plan is dropped as soon as
+    one of its arrays dies (see :class:`_Plan`), so a hit means the very same
+    array objects are passed again (their pointer, size, dtype and layout cannot
+    change) and validation can be skipped; the cache never keeps a gradient
+    alive. A hit costs about one ``id()`` per leaf.
     """
-    leaves = _flat(grads)
-    if leaves is not None:
-        key = tuple(map(id, leaves))
-        with _CACHE_LOCK:
-            plan = _PLANS.get(key)
-        if plan is not None and _same(plan.refs, leaves):
+    typ = type(grads)
+    if typ is list or typ is tuple or typ is dict:
+        leaves = list(grads.values()) if typ is dict else list(grads)
+        plan = _cached(tuple(map(id, leaves)))
+        if plan is not None:
             return plan, leaves
     leaves, _ = _validated(grads)
     key = tuple(map(id, leaves))
-    with _CACHE_LOCK:
-        plan = _PLANS.get(key)
-    if plan is not None and _same(plan.refs, leaves):
+    plan = _cached(key)
+    if plan is not None:
         return plan, leaves
     plan = _build_plan(leaves)
+    plan.watch(leaves)
     with _CACHE_LOCK:
         _PLANS[key] = plan
-        _PLANS.move_to_end(key)
         while len(_PLANS) > _PLAN_CACHE_SIZE:
             _PLANS.popitem(last=False)
     return plan, leaves

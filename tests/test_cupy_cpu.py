@@ -296,3 +296,116 @@ def test_plan_rejects_before_caching(backend: Any, cupy_mod: Any) -> None:
     with pytest.raises(sc.GradientTypeError):
         backend.unscale(grads, 2.0)
     assert dict(_cupy._PLANS) == before
+
+
+# --------------------------------------------------------------- plan cache
+def test_plan_cache_hits_the_same_arrays_and_never_keeps_them_alive(
+    cupy_mod: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import gc
+    import weakref
+
+    from scaler_core.backends import _cupy
+
+    built: list[tuple[str, int]] = []
+
+    def fake_group(device: int, dtype: Any, entries: list[tuple[int, int]]) -> Any:
+        built.append((dtype.name, len(entries)))
+        return ("group", dtype.name, tuple(entries))
+
+    monkeypatch.setattr(_cupy, "_group", fake_group)
+    a = _fake(cupy_mod, (8,), np.float32)
+    b = _fake(cupy_mod, (4, 3), np.float16)
+    t = _fake(cupy_mod, (4, 3), np.float64).T  # non-contiguous
+    plan, leaves = _cupy._plan([a, b, t, None])  # None leaves are skipped
+    assert [x is y for x, y in zip(leaves, [a, b, t], strict=True)] == [True] * 3
+    assert plan.strided == [2]
+    assert built == [("float32", 1), ("float16", 1)]
+    assert _cupy._plan([a, b, t])[0] is plan  # the fast path: same objects
+    assert _cupy._plan({"x": [a, b], "y": t})[0] is plan  # any tree with the same leaves
+    assert len(built) == 2
+
+    ref = weakref.ref(b)
+    del b, leaves
+    gc.collect()
+    assert ref() is None  # the cache holds no strong reference to a gradient
+    assert plan.valid is False
+    c = _fake(cupy_mod, (4, 3), np.float16)
+    assert _cupy._plan([a, c, t])[0] is not plan
+
+
+# ---------------------------------------------------------------- benchmark
+def _bench_module() -> Any:
+    import importlib.util
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_gpu.py"
+    spec = importlib.util.spec_from_file_location("bench_gpu", path)
+    assert spec is not None
+    assert spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_benchmark_sets_have_the_documented_sizes() -> None:
+    bench = _bench_module()
+    gpt2 = bench.gpt2_small_shapes()
+    assert len(gpt2) == 148
+    assert sum(int(np.prod(s)) for s in gpt2) == 124_439_808
+    assert bench.SETS["2000x1024"]() == [(1024,)] * 2000
+
+
+def test_benchmark_without_a_gpu_says_why_and_writes_its_json(tmp_path: Path) -> None:
+    try:
+        import cupy
+
+        if _has_gpu(cupy):
+            pytest.skip("a GPU is present: the benchmark would run for real")
+    except ImportError:
+        pass
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_gpu.py"
+    out = tmp_path / "bench.json"
+    run = subprocess.run(
+        [sys.executable, "-P", str(path), "--json", str(out), "--quick"],
+        capture_output=True,
+        text=True,
+        check=False,
+        cwd="/",
+    )
+    assert run.returncode == 0, run.stderr
+    assert "skipped" in run.stdout
+    import json
+
+    report = json.loads(out.read_text())
+    assert report["status"] == "skipped"
+    assert report["reason"]
+
+
+def test_benchmark_goals_and_table_read_a_report() -> None:
+    bench = _bench_module()
+
+    def res(ms: float, frac: float, vs: float | None) -> dict[str, Any]:
+        return {
+            "median_ms": ms,
+            "gb_per_s": 1.0,
+            "fraction_of_copy_bandwidth": frac,
+            "speedup_vs_torch": vs,
+        }
+
+    report = {
+        "sets": {
+            "gpt2-small": {
+                "results": {
+                    "copy": res(1.0, 1.0, 1.2),
+                    "cupy": res(1.1, 0.9, 1.1),
+                    "torch": res(1.2, 0.8, 1.0),
+                }
+            },
+            "2000x1024": {"results": {"cupy": res(2.0, 0.1, 0.5), "torch": res(1.0, 0.2, 1.0)}},
+        }
+    }
+    goals = bench.goals(report)
+    assert goals["cupy >= 0.85 of copy bandwidth on gpt2-small"]["ok"] is True
+    assert goals["cupy at least as fast as torch on gpt2-small"]["ok"] is True
+    assert goals["cupy at least as fast as torch on 2000x1024"]["ok"] is False
+    assert "| gpt2-small | cupy | 1.1000 |" in bench.table(report)

@@ -380,6 +380,9 @@ class _DeviceNamespace:
     isfinite = staticmethod(cupy.isfinite)
     maximum = staticmethod(cupy.maximum)
 
+    def __getattr__(self, name: str) -> Any:
+        return getattr(cupy, name)
+
     @staticmethod
     def asarray(value: Any, dtype: Any = None) -> Any:
         if isinstance(value, _NDARRAY):

@@ -29,13 +29,14 @@ if _N_GPUS == 0:
     pytest.skip(f"GPU tests of the CuPy backend: {_WHY}", allow_module_level=True)
 
 from scaler_core.backends import _cupy  # noqa: E402 - only where CuPy and a GPU exist
+from scaler_core.backends._numpy import NumpyBackend  # noqa: E402
 
 from scaler_core.gpu import nccl_reduce_found, state_to_device  # noqa: E402
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 DTYPES = [np.dtype(np.float16), BF16, np.dtype(np.float32), np.dtype(np.float64)]
 UINT = {2: np.uint16, 4: np.uint32, 8: np.uint64}
-NP = sc.get_backend("numpy")
+NP = NumpyBackend()  # the reference implementation is the oracle
 CP = sc.get_backend("cupy")
 
 
@@ -49,7 +50,7 @@ def _quiet_numpy_reference() -> Any:
 
 def to_device(host: np.ndarray) -> Any:
     """A contiguous device copy (through a same-size uint view: works for bfloat16 too)."""
-    host = np.ascontiguousarray(host)
+    host = np.array(host, order="C")  # a copy; unlike ascontiguousarray it keeps 0-d arrays 0-d
     return cupy.asarray(host.view(UINT[host.dtype.itemsize])).view(host.dtype)
 
 
@@ -73,12 +74,12 @@ def set_value(dev: Any, host: np.ndarray, index: int, value: float) -> None:
 def assert_same_bits(got: np.ndarray, want: np.ndarray, what: str = "") -> None:
     assert got.dtype == want.dtype, what
     assert got.shape == want.shape, what
+    got, want = np.array(got).reshape(-1), np.array(want).reshape(-1)
     gnan = np.isnan(got.astype(np.float64))
     wnan = np.isnan(want.astype(np.float64))
     np.testing.assert_array_equal(gnan, wnan, err_msg=f"NaN positions differ {what}")
     u = UINT[got.dtype.itemsize]
-    gb = np.ascontiguousarray(got).view(u)[~gnan]
-    wb = np.ascontiguousarray(want).view(u)[~wnan]
+    gb, wb = got.view(u)[~gnan], want.view(u)[~wnan]
     bad = np.flatnonzero(gb != wb)
     assert bad.size == 0, (
         f"{bad.size} elements differ {what}: got {got[~gnan][bad[:5]]!r}, "

@@ -243,7 +243,8 @@ def _build_plan(leaves: list[Any]) -> _Plan:
             by_dtype.setdefault(leaf.dtype, []).append((leaf.data.ptr, leaf.size))
         else:
             strided.append(i)
-    groups = [_group(device, dt, entries) for dt, entries in by_dtype.items()]
+    with _on_device(device):  # the tables live on the arrays' GPU
+        groups = [_group(device, dt, entries) for dt, entries in by_dtype.items()]
     return _Plan(device, groups, strided)
 
 

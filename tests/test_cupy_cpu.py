@@ -314,6 +314,7 @@ def test_plan_cache_hits_the_same_arrays_and_never_keeps_them_alive(
         return ("group", dtype.name, tuple(entries))
 
     monkeypatch.setattr(_cupy, "_group", fake_group)
+    monkeypatch.setattr(_cupy, "_on_device", lambda device: _cupy._NoContext())
     a = _fake(cupy_mod, (8,), np.float32)
     b = _fake(cupy_mod, (4, 3), np.float16)
     t = _fake(cupy_mod, (4, 3), np.float64).T  # non-contiguous

@@ -5,9 +5,11 @@
 #     bash benchmarks/gpu_check.sh OUTDIR
 # It (1) installs scaler-core from this working tree into $PYTHON (default python3) with pip
 # --no-index --no-deps --no-build-isolation (falling back to a copied package on PYTHONPATH if
-# pip cannot), (2) runs the CuPy tests (+ the README test) and (3) the JAX tests on the GPU,
-# (4) runs benchmarks/bench_gpu.py, and (5) prints a summary. Each stage runs even if an earlier
-# one failed; a global deadline keeps the whole run under 8 minutes. Written under OUTDIR:
+# pip cannot), (2) runs the CuPy tests (+ the README test) on the GPU, (3) runs
+# benchmarks/bench_gpu.py on both sets, (4) runs the JAX tests on the GPU, (5) optionally reruns
+# the 2000-array set with the JAX contenders, and (6) prints a summary. Each stage runs even if
+# an earlier one failed; a global deadline (GPU_CHECK_BUDGET_S, default 450 s) keeps the whole
+# run under 8 minutes. Written under OUTDIR:
 #     gpu_check.log            everything printed
 #     env.txt                  GPU, driver and library versions
 #     pytest-cupy.{log,xml}    CuPy backend tests (and the README test) on the GPU
@@ -137,6 +139,15 @@ stage pytest-cupy 200 "$OUT/pytest-cupy.log" "${PYTEST[@]}" --junitxml="$OUT/pyt
     "${cupy_tests[@]}" || OK=0
 tail -n 40 "$OUT/pytest-cupy.log"
 
+# ------------------------------------------------------------------ benchmark
+# Order: what matters most first. The JAX contenders of the 2000-array set come last, as an
+# optional extra: XLA compiles one program over 2000 leaves, which can take long.
+stage bench-gpt2-small 120 - "$PY" -P benchmarks/bench_gpu.py --sets gpt2-small \
+    --json "$OUT/bench_gpu-gpt2-small.json" || OK=0
+stage bench-2000x1024 60 - "$PY" -P benchmarks/bench_gpu.py --sets 2000x1024 --no-jax \
+    --json "$OUT/bench_gpu-2000x1024.json" || OK=0
+
+# ------------------------------------------------------------------ JAX tests
 mapfile -t jax_tests < <(ls tests/test_jax*.py 2>/dev/null)
 if ((${#jax_tests[@]})); then
     stage pytest-jax 150 "$OUT/pytest-jax.log" "${PYTEST[@]}" --junitxml="$OUT/pytest-jax.xml" \
@@ -146,16 +157,10 @@ else
     note pytest-jax "not run: no tests/test_jax*.py in this tree" 0
 fi
 
-# ------------------------------------------------------------------ benchmark
-stage bench-gpt2-small 120 - "$PY" -P benchmarks/bench_gpu.py --sets gpt2-small \
-    --json "$OUT/bench_gpu-gpt2-small.json" || OK=0
-# JAX compiles one program per leaf structure; with 2000 leaves that can be slow, so this set
-# is retried without JAX if it does not finish.
-if ! stage bench-2000x1024 100 - "$PY" -P benchmarks/bench_gpu.py --sets 2000x1024 \
-    --json "$OUT/bench_gpu-2000x1024.json"; then
-    stage bench-2000x1024-no-jax 60 - "$PY" -P benchmarks/bench_gpu.py --sets 2000x1024 \
-        --no-jax --json "$OUT/bench_gpu-2000x1024.json" || OK=0
-fi
+# Optional: the 2000-array set again with the JAX contenders (replaces the numbers above if it
+# finishes in the time left; not finishing does not fail the check).
+stage bench-2000x1024-jax-optional 120 - "$PY" -P benchmarks/bench_gpu.py --sets 2000x1024 \
+    --json "$OUT/bench_gpu-2000x1024-jax.json" || true
 
 # -------------------------------------------------------------------- summary
 printf '%s\n' "${STAGES[@]}" >"$OUT/.stages"
@@ -187,9 +192,12 @@ for suite in ("cupy", "jax"):
     })
     tests[suite] = {**counts, "failed": failed, "skip_reasons": skipped}
 bench = {}
-for path in sorted(glob.glob(os.path.join(out, "bench_gpu-*.json"))):
+paths = sorted(glob.glob(os.path.join(out, "bench_gpu-*.json")), key=lambda p: p.endswith("-jax.json"))
+for path in paths:  # a finished run with the JAX contenders replaces the one without
     data = json.load(open(path))
     for name, result in data.get("sets", {}).items():
+        if path.endswith("-jax.json") and "error" in result:
+            continue
         bench[name] = result
     bench.setdefault("_meta", {}).update(
         {k: data.get(k) for k in ("gpu", "date", "cupy", "cuda_runtime", "cuda_driver", "status", "reason")}

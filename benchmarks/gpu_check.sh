@@ -107,7 +107,7 @@ cat "$OUT/env.txt"
 
 # -------------------------------------------------------------------- install
 install_pip() {
-    "$PY" -m pip install --no-index --no-deps --no-build-isolation -q . &&
+    "$PY" -m pip install --no-index --no-deps --no-build-isolation --force-reinstall -q . &&
         (cd /tmp && "$PY" -P -c "import scaler_core.backends._numpy as m, scaler_core; print('installed:', m.__file__)")
 }
 install_copy() {

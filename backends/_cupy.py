@@ -167,6 +167,7 @@ def _invalidator(plan_ref: Any) -> Callable[[Any], None]:
 _TABLES: OrderedDict[tuple[Any, ...], Any] = OrderedDict()
 _PLANS: OrderedDict[tuple[int, ...], _Plan] = OrderedDict()
 _CACHE_LOCK = threading.Lock()
+_PINNED: list[Any] = []  # tables used by captured CUDA graphs
 
 
 def _chunk_table(entries: list[tuple[int, int]], itemsize: int) -> np.ndarray:
@@ -339,6 +340,9 @@ def _launch(plan: _Plan, leaves: list[Any], scale: Any | None) -> Any:
     found = _new_flag()
     copies = _strided_copies(leaves, plan)
     groups = plan.groups + _strided_groups(plan.device, copies) if copies else plan.groups
+    if cupy.cuda.get_current_stream().is_capturing():
+        # A CUDA graph replays these launches with these table addresses: never free them.
+        _PINNED.extend(g.table for g in groups)
     if scale is None:
         for g in groups:
             fn = _KERNELS.function(plan.device, "sc_detect_" + g.suffix)

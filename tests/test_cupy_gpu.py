@@ -433,6 +433,9 @@ def test_cuda_graph_capture_and_replay_of_unscale_detect_update() -> None:
             stream.begin_capture()
             found = step()
             graph = stream.end_capture()
+    assert all(
+        any(t is p for p in _cupy._PINNED) for t in (g.table for g in _cupy._plan(grads)[0].groups)
+    )
     host_state = sc.init(cfg)
     for i in range(n_steps):
         with stream:

@@ -16,7 +16,10 @@
 //   keeps NaN payloads intact exactly as the NumPy backend does.
 //
 // No headers are included, so NVRTC (cupy.RawModule) and `nvcc -ptx` compile
-// this file alike. Compiled without fast-math: subnormals are kept.
+// this file alike. CuPy compiles with -ftz=true, which would flush float32
+// subnormals to zero in ordinary float arithmetic; every float32 operation here
+// is therefore written as PTX without .ftz, so subnormals survive exactly as
+// on the CPU (tests/test_cupy_cpu.py checks the PTX for .ftz).
 
 typedef unsigned long long u64;
 typedef unsigned int u32;
@@ -25,13 +28,32 @@ typedef unsigned short u16;
 #define SC_BLOCK 512
 #define SC_ILP 4
 
+// IEEE float32 multiply and float32 <-> float64 conversions, immune to -ftz=true.
+static __device__ __forceinline__ float mul_rn_f32(float a, float b) {
+    float r;
+    asm("mul.rn.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
+    return r;
+}
+
+static __device__ __forceinline__ double f32_to_f64(float x) {
+    double r;
+    asm("cvt.f64.f32 %0, %1;" : "=d"(r) : "f"(x));
+    return r;
+}
+
+static __device__ __forceinline__ float f64_to_f32_rn(double x) {
+    float r;
+    asm("cvt.rn.f32.f64 %0, %1;" : "=f"(r) : "d"(x));
+    return r;
+}
+
 // ------------------------------------------------------------ element types
 struct Float32 {
     typedef float S;
     static __device__ __forceinline__ bool bad(S x) {
         return (__float_as_uint(x) & 0x7f800000u) == 0x7f800000u;
     }
-    static __device__ __forceinline__ S mul(S x, float inv) { return __fmul_rn(x, inv); }
+    static __device__ __forceinline__ S mul(S x, float inv) { return mul_rn_f32(x, inv); }
 };
 
 struct Float64 {
@@ -39,7 +61,7 @@ struct Float64 {
     static __device__ __forceinline__ bool bad(S x) {
         return (__double_as_longlong(x) & 0x7ff0000000000000ll) == 0x7ff0000000000000ll;
     }
-    static __device__ __forceinline__ S mul(S x, float inv) { return __dmul_rn(x, (double)inv); }
+    static __device__ __forceinline__ S mul(S x, float inv) { return __dmul_rn(x, f32_to_f64(inv)); }
 };
 
 struct Float16 {
@@ -48,7 +70,7 @@ struct Float16 {
     static __device__ __forceinline__ S mul(S x, float inv) {
         float f;
         asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(x));
-        f = __fmul_rn(f, inv);
+        f = mul_rn_f32(f, inv);
         S h;
         asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));
         return h;
@@ -59,7 +81,7 @@ struct BFloat16 {
     typedef u16 S;
     static __device__ __forceinline__ bool bad(S x) { return (x & 0x7f80u) == 0x7f80u; }
     static __device__ __forceinline__ S mul(S x, float inv) {
-        float f = __fmul_rn(__uint_as_float(((u32)x) << 16), inv);
+        float f = mul_rn_f32(__uint_as_float(((u32)x) << 16), inv);
         u32 u = __float_as_uint(f);
         if ((u & 0x7fffffffu) > 0x7f800000u) {
             return (S)((u >> 16) & 0x8000u ? 0xffc0u : 0x7fc0u);  // quiet NaN, as ml_dtypes
@@ -139,8 +161,8 @@ __device__ __forceinline__ void unscale_table(const u64* __restrict__ table, int
                                               u32* __restrict__ found) {
     // The device scale is read here, so the host never waits for it.
     const float inv =
-        scale != nullptr ? __double2float_rn(__ddiv_rn(1.0, (double)(*scale))) : host_inv;
-    if (inv == 1.0f) {
+        scale != nullptr ? f64_to_f32_rn(__ddiv_rn(1.0, f32_to_f64(*scale))) : host_inv;
+    if (__float_as_uint(inv) == 0x3f800000u) {  // exactly 1.0
         run_table<T, false>(table, n_chunks, inv, found);
     } else {
         run_table<T, true>(table, n_chunks, inv, found);

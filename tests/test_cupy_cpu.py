@@ -103,7 +103,8 @@ def test_kernel_source_compiles_with_nvcc(tmp_path: Path) -> None:
     ptx = tmp_path / "kernels.ptx"
     with importlib.resources.as_file(src) as path:
         out = subprocess.run(
-            [nvcc, "-ptx", "-arch=sm_90", "-std=c++14", "-o", str(ptx), str(path)],
+            # -ftz=true: CuPy compiles every kernel with it.
+            [nvcc, "-ptx", "-arch=sm_90", "-std=c++14", "-ftz=true", "-o", str(ptx), str(path)],
             capture_output=True,
             text=True,
             check=False,
@@ -118,6 +119,9 @@ def test_kernel_source_compiles_with_nvcc(tmp_path: Path) -> None:
     assert "st.global.cs.v4.u32" in text
     # Each atomic sits behind a block-wide OR (__syncthreads_or), so it runs once per block.
     assert text.count("atom.global.or.b32") == text.count("bar.red.or.pred") > 0
+    # Even under -ftz=true no instruction flushes subnormals (they must match NumPy's bits).
+    assert ".ftz" not in text
+    assert text.count("mul.rn.f32") > 0
 
 
 def test_kernel_source_compiles_with_nvrtc() -> None:
@@ -133,7 +137,10 @@ def test_kernel_source_compiles_with_nvrtc() -> None:
 
     prog = nvrtc.createProgram(_cupy.kernel_source(), "scaler_core_kernels.cu", [], [])
     try:
-        nvrtc.compileProgram(prog, ["-arch=compute_90"])
+        # The options CuPy's RawModule adds on its own.
+        nvrtc.compileProgram(
+            prog, ["-arch=compute_90", "-ftz=true", "--device-as-default-execution-space"]
+        )
     except Exception as exc:
         raise AssertionError(nvrtc.getProgramLog(prog)) from exc
     ptx = nvrtc.getPTX(prog)
@@ -141,6 +148,7 @@ def test_kernel_source_compiles_with_nvrtc() -> None:
     assert set(re.findall(r"\.entry\s+(\w+)", ptx)) == {
         f"sc_{op}_{dt}" for op in ("unscale", "detect") for dt in KERNELS
     }
+    assert ".ftz" not in ptx
 
 
 def test_backend_is_unavailable_with_a_clear_reason_without_a_gpu() -> None:

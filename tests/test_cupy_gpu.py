@@ -406,10 +406,10 @@ def test_cuda_graph_capture_and_replay_of_unscale_detect_update() -> None:
     n_steps = 12
     nan_steps = {2, 3, 7}
     sources_host = []
-    for step in range(n_steps):
+    for k in range(n_steps):
         hs = [(rng.standard_normal(s) * 1000).astype(dt) for s, dt in shapes]
-        if step in nan_steps:
-            hs[step % len(hs)].reshape(-1)[5] = np.nan
+        if k in nan_steps:
+            hs[k % len(hs)].reshape(-1)[5] = np.nan
         sources_host.append(hs)
     sources = [[to_device(h) for h in hs] for hs in sources_host]
     grads = [cupy.zeros(s, dt) for s, dt in shapes]

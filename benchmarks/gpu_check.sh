@@ -32,6 +32,7 @@ export XLA_PYTHON_CLIENT_PREALLOCATE=false # JAX must not take the GPU from CuPy
 export CUPY_CACHE_DIR=${CUPY_CACHE_DIR:-/tmp/scaler-core-cupy-cache}
 export HYPOTHESIS_PROFILE=ci
 exec > >(tee -a "$OUT/gpu_check.log") 2>&1
+TEE_PID=$!
 
 export PY OUT ROOT
 STAGES=()
@@ -243,3 +244,8 @@ else:
     print("RESULT:", "OK" if ok else "NOT OK", f"(see {out}/gpu_check.log)")
 sys.exit(0 if ok else 1)
 PY
+RC=$?
+# Let tee write the last lines to the log before the caller collects OUTDIR.
+exec 1>&- 2>&-
+wait "$TEE_PID" 2>/dev/null || sleep 1
+exit $RC

@@ -32,7 +32,7 @@ def test_pytree_split_comes_from_the_declaration() -> None:
     leaves = [f.name for f in dataclasses.fields(sc.ScalerState) if not f.metadata["static"]]
     assert tuple(leaves) == DATA_FIELDS
     state = to_device(sc.init(sc.ScalerConfig(min_scale=4.0, max_scale=2.0**20)))
-    flat, treedef = jax.tree_util.tree_flatten(state)
+    flat, _ = jax.tree_util.tree_flatten(state)
     assert len(flat) == len(DATA_FIELDS)
     assert all(isinstance(x, jax.Array) for x in flat)
     assert state.scale.dtype == jnp.float32

@@ -84,7 +84,12 @@ def test_replicas_share_one_skip_decision(tmp_path: Any) -> None:
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8")
     env["JAX_PLATFORMS"] = "cpu"
     done = subprocess.run(
-        [sys.executable, "-c", SCRIPT], env=env, cwd=tmp_path, capture_output=True, text=True
+        [sys.executable, "-c", SCRIPT],
+        env=env,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        check=False,
     )
     assert done.returncode == 0, done.stderr[-4000:]
     assert done.stdout.startswith("OK")

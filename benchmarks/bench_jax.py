@@ -53,9 +53,7 @@ def gpt2_shapes(div: int = 1) -> list[tuple[int, ...]]:
 def make_tree(kind: str, small: bool, device: Any) -> list[Any]:
     rng = np.random.default_rng(0)
     shapes = gpt2_shapes(16 if small else 1) if kind == "gpt2" else [(1024,)] * 2000
-    return [
-        jax.device_put(rng.standard_normal(s, dtype=np.float32) * 1024, device) for s in shapes
-    ]
+    return [jax.device_put(rng.standard_normal(s, dtype=np.float32) * 1024, device) for s in shapes]
 
 
 def jmp_pattern(grads: Any, scale: Any) -> tuple[Any, Any]:

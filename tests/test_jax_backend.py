@@ -295,3 +295,26 @@ def test_state_built_before_backend_use_can_be_jitted(tmp_path: Any) -> None:
         "assert 'scaler_core.backends._jax' not in sys.modules\n"
     )
     subprocess.run([sys.executable, "-c", "import sys\n" + code], check=True, cwd=tmp_path)
+
+
+@pytest.mark.parametrize("where", ["big", "small16", "small32", "none"])
+def test_detection_over_small_and_large_leaves(where: str) -> None:
+    from scaler_core.backends._jax import SMALL_LEAF
+
+    big = np.ones(SMALL_LEAF + 5, np.float32)
+    s16 = np.ones(7, np.float16)
+    s32 = np.ones((3, 2), np.float32)
+    if where == "big":
+        big[-1] = np.inf
+    elif where == "small16":
+        s16[3] = 40000.0  # finite as given; overflows float16 once unscaled by 2
+    elif where == "small32":
+        s32[2, 1] = np.nan
+    grads = {"big": jnp.asarray(big), "s16": jnp.asarray(s16), "s32": [jnp.asarray(s32)]}
+    out, found = jax.jit(BACKEND.unscale)(grads, jnp.float32(0.5))
+    with np.errstate(all="ignore"):
+        ref, ref_found = NP.unscale({"big": big, "s16": s16, "s32": [s32]}, 0.5)
+    assert bool(found) == bool(ref_found) == (where != "none")
+    for a, b in zip(jax.tree_util.tree_leaves(out), jax.tree_util.tree_leaves(ref), strict=True):
+        np.testing.assert_array_equal(_bits(a), _bits(b))
+    assert bool(BACKEND.find_non_finite(grads)) == (where in ("big", "small32"))

@@ -11,7 +11,8 @@ interleaved (A B A B ...) so that machine noise hits both alike; medians:
   beat, since every leaf is its own buffer and kernel.
 
 Trees: ``gpt2`` (GPT-2-small shapes: 148 float32 leaves, 124M values; ``--small``
-divides every leaf by 16) and ``many`` (2000 leaves of 1024 float32).
+divides every leaf by 16) and ``many`` (``--many`` leaves of 1024 float32, 2000 by
+default).
 
 Usage::
 
@@ -50,9 +51,9 @@ def gpt2_shapes(div: int = 1) -> list[tuple[int, ...]]:
     return shapes
 
 
-def make_tree(kind: str, small: bool, device: Any) -> list[Any]:
+def make_tree(kind: str, small: bool, device: Any, many: int = 2000) -> list[Any]:
     rng = np.random.default_rng(0)
-    shapes = gpt2_shapes(16 if small else 1) if kind == "gpt2" else [(1024,)] * 2000
+    shapes = gpt2_shapes(16 if small else 1) if kind == "gpt2" else [(1024,)] * many
     return [jax.device_put(rng.standard_normal(s, dtype=np.float32) * 1024, device) for s in shapes]
 
 
@@ -77,11 +78,13 @@ def flat_buffer(flat: Any, scale: Any) -> tuple[Any, Any]:
     return y, jnp.isnan(jnp.sum(y - y))
 
 
-def run(trees: list[str], small: bool, device: Any, reps: int) -> list[dict[str, Any]]:
+def run(
+    trees: list[str], small: bool, device: Any, reps: int, many: int = 2000
+) -> list[dict[str, Any]]:
     rows = []
     scale = jax.device_put(jnp.float32(1024.0), device)
     for kind in trees:
-        tree = make_tree(kind, small, device)
+        tree = make_tree(kind, small, device, many)
         flat = jax.device_put(jnp.concatenate([x.ravel() for x in tree]), device)
         n = sum(x.size for x in tree)
         inputs: dict[str, tuple[Callable[..., Any], Any]] = {
@@ -125,10 +128,11 @@ def main() -> None:
     ap.add_argument("--device", default="auto", choices=["auto", "cpu", "gpu"])
     ap.add_argument("--reps", type=int, default=21)
     ap.add_argument("--trees", default="gpt2,many")
+    ap.add_argument("--many", type=int, default=2000, help="leaf count of the many tree")
     ap.add_argument("--json", default="bench_jax.json")
     args = ap.parse_args()
     device = jax.devices()[0] if args.device == "auto" else jax.devices(args.device)[0]
-    rows = run(args.trees.split(","), args.small, device, args.reps)
+    rows = run(args.trees.split(","), args.small, device, args.reps, args.many)
     print(f"\ndevice: {device} ({device.platform}), jax {jax.__version__}, {platform.machine()}")
     head = f"{'tree':6} {'contender':12} {'median ms':>10} {'GB/s':>7} {'x jmp':>6} {'us/leaf':>8}"
     print(head + f" {'compile s':>9}")

@@ -9,11 +9,13 @@ dataclasses, equinox modules); ``None`` leaves are skipped, as
 ``jax.tree_util`` does. The dtype rules and messages are the NumPy backend's.
 
 Detection reduces ``y - y`` (0 for a finite ``y``, NaN for NaN or +-inf) with a
-float sum per leaf, then one sum of the per-leaf results: exact, because every
-term is 0 or NaN, and much faster on XLA's CPU backend than a boolean
-``all(isfinite(y))`` (see PERF_NOTES). A per-leaf partial sum also keeps global
-sharded arrays sharded: each device reduces its shard and XLA adds the
-partials, so no gradient is gathered.
+float sum: exact, because every term is 0 or NaN, and much faster on XLA's CPU
+backend than a boolean ``all(isfinite(y))`` (see PERF_NOTES). Large leaves are
+reduced where they are, so a global sharded array stays sharded (each device
+reduces its shard and XLA adds the partials); leaves of at most
+:data:`SMALL_LEAF` elements are unscaled again and reduced together in one flat
+buffer per dtype, because each leaf's reduction costs XLA kernels and compile
+time.
 """
 
 from __future__ import annotations

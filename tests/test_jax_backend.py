@@ -318,3 +318,26 @@ def test_detection_over_small_and_large_leaves(where: str) -> None:
     for a, b in zip(jax.tree_util.tree_leaves(out), jax.tree_util.tree_leaves(ref), strict=True):
         np.testing.assert_array_equal(_bits(a), _bits(b))
     assert bool(BACKEND.find_non_finite(grads)) == (where in ("big", "small32"))
+
+
+def test_reduce_found_ors_over_a_named_axis_and_facade_works_eagerly() -> None:
+    from scaler_core.jax_utils import found_reducer, reduce_found
+
+    flags = jnp.asarray([False, False, True, False])
+    out = jax.vmap(lambda f: reduce_found(f, "i"), axis_name="i")(flags)
+    assert out.tolist() == [True] * 4
+    none = jax.vmap(found_reducer("i"), axis_name="i")(jnp.zeros(4, bool))
+    assert none.tolist() == [False] * 4
+    with pytest.raises(sc.GradientTypeError, match="axis_name=None"):
+        found_reducer(None)
+
+    scaler = sc.GradScaler(sc.ScalerConfig(growth_interval=1))
+    grads = scaler.unscale({"w": jnp.asarray([65536.0, 2.0])})
+    assert grads["w"].tolist()[0] == 1.0
+    assert scaler.should_skip_step() is False
+    scaler.update()
+    scaler.unscale({"w": jnp.asarray([jnp.inf])})
+    assert scaler.should_skip_step() is True
+    scaler.update()
+    assert sc.to_dict(scaler.state)["state"]["skipped_steps"] == 1
+    assert scaler.scale == 65536.0

@@ -169,7 +169,10 @@ class ScalerState:
         # state can be handed to JAX whenever JAX is loaded, without this module
         # ever importing JAX itself.
         if not _PYTREE[0] and "jax" in sys.modules:
-            register_pytree()
+            try:
+                register_pytree()
+            except ImportError:  # a stub or broken "jax" module: nothing to register with
+                _PYTREE[0] = True
 
     @property
     def on_host(self) -> bool:

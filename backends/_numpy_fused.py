@@ -52,11 +52,14 @@ _F64 = np.dtype(np.float64)
 _EXPONENT = {_F16: np.uint16(0x7C00), _BF16: np.uint16(0x7F80)}
 #: Work-item and chunk size: small enough to stay in a core's L2 cache.
 _CHUNK_BYTES = 1 << 20
-#: Below this many bytes one thread wins: waking the others costs ~60 us.
-_PARALLEL_MIN_BYTES = 32 << 20
-#: Plans are cached only for sets of many small arrays, where building one costs
-#: more than the work; the cache holds references to the arrays, so it is small.
-_CACHE_MIN_LEAVES = 32
+#: Below this many bytes (one array, or one table) one thread wins: waking the
+#: others costs ~60 us.
+_PARALLEL_MIN_BYTES = 4 << 20
+#: Sets of at least this many arrays (in a flat list, tuple or dict, at most
+#: _CACHE_MAX_BYTES in all) get a plan of address tables, cached: for them one
+#: kernel call per array would cost more than the work. The cache holds
+#: references to the arrays, so it is kept small.
+_TABLE_MIN_LEAVES = 32
 _CACHE_MAX_BYTES = 64 << 20
 _CACHE_MAX_PLANS = 4
 
@@ -236,11 +239,14 @@ class FusedNumpyBackend(NumpyBackend):
 
     # -- plans ---------------------------------------------------------------
 
-    def _plan(self, grads: Any, *, writable: bool) -> _Plan:
-        """The validated plan for ``grads``; raises before anything is modified."""
+    def _prepare(self, grads: Any, *, writable: bool) -> _Plan | list[np.ndarray]:
+        """Validated leaves, or for a repeated set of many small arrays its cached plan.
+
+        Raises before anything is modified, as :func:`numpy_leaves` does.
+        """
         children = _children(grads)
         key = None
-        if children is not None and len(children) >= _CACHE_MIN_LEAVES:
+        if children is not None and len(children) >= _TABLE_MIN_LEAVES:
             # Plans hold references to their arrays, so equal ids mean the same arrays.
             key = (writable, tuple(map(id, children)))
             plan = self._plans.get(key)
@@ -248,17 +254,20 @@ class FusedNumpyBackend(NumpyBackend):
                 self._plans.move_to_end(key)
                 return plan
         leaves = [leaf for _, leaf in numpy_leaves(grads, writable=writable)]
-        flat = children is not None and all(
-            c is None or isinstance(c, np.ndarray) for c in children
-        )
+        if (
+            key is None
+            or len(leaves) < _TABLE_MIN_LEAVES
+            or not all(c is None or isinstance(c, np.ndarray) for c in children)
+            or sum(a.nbytes for a in leaves) > _CACHE_MAX_BYTES
+        ):
+            return leaves
         plan = _Plan(leaves)
-        if key is not None and flat and plan.nbytes <= _CACHE_MAX_BYTES:
-            with self._lock:
-                self._plans[key] = plan
-                total = sum(p.nbytes for p in self._plans.values())
-                while len(self._plans) > _CACHE_MAX_PLANS or total > _CACHE_MAX_BYTES:
-                    _, dropped = self._plans.popitem(last=False)
-                    total -= dropped.nbytes
+        with self._lock:
+            self._plans[key] = plan
+            total = sum(p.nbytes for p in self._plans.values())
+            while len(self._plans) > _CACHE_MAX_PLANS or total > _CACHE_MAX_BYTES:
+                _, dropped = self._plans.popitem(last=False)
+                total -= dropped.nbytes
         return plan
 
     # -- the backend ---------------------------------------------------------
@@ -271,13 +280,15 @@ class FusedNumpyBackend(NumpyBackend):
             leaves = [leaf for _, leaf in numpy_leaves(grads, writable=True)]
             with np.errstate(all="ignore"):
                 return grads, np.bool_(_numpy_unscale(leaves, inv))
-        plan = self._plan(grads, writable=True)
-        if plan.aliased:
-            return REFERENCE.unscale(grads, scale)
+        prepared = self._prepare(grads, writable=True)
         with np.errstate(all="ignore"):
+            if isinstance(prepared, list):
+                return grads, np.bool_(_numba_unscale_arrays(kernels, prepared, inv))
+            if prepared.aliased:
+                return REFERENCE.unscale(grads, scale)
             if inv == 1.0:  # the reference writes nothing: neither do we
-                return grads, np.bool_(_numba_detect(kernels, plan))
-            return grads, np.bool_(_numba_unscale(kernels, plan, inv))
+                return grads, np.bool_(_numba_detect(kernels, prepared))
+            return grads, np.bool_(_numba_unscale(kernels, prepared, inv))
 
     def find_non_finite(self, grads: Any) -> np.bool_:
         """See :meth:`scaler_core.Backend.find_non_finite`: reads each element once."""
@@ -286,9 +297,10 @@ class FusedNumpyBackend(NumpyBackend):
             leaves = [leaf for _, leaf in numpy_leaves(grads, writable=False)]
             with np.errstate(all="ignore"):
                 return np.bool_(_numpy_detect(leaves))
-        plan = self._plan(grads, writable=False)
-        with np.errstate(all="ignore"):
-            return np.bool_(_numba_detect(kernels, plan))
+        prepared = self._prepare(grads, writable=False)
+        if isinstance(prepared, list):
+            return np.bool_(_numba_detect_arrays(kernels, prepared))
+        return np.bool_(_numba_detect(kernels, prepared))
 
 
 # -- the numba path -----------------------------------------------------------
@@ -323,6 +335,54 @@ def _numba_detect(k: ModuleType, plan: _Plan) -> bool:
         if hit:
             return True
     return any(not bool(np.isfinite(g).all()) for g in plan.strided)
+
+
+def _numba_unscale_arrays(k: ModuleType, leaves: list[np.ndarray], inv: float) -> bool:
+    """One kernel call per array, in the reference's order (so overlaps behave alike)."""
+    found = False
+    for g in leaves:
+        if g.size == 0:
+            continue
+        if inv == 1.0:  # the reference writes nothing: neither do we
+            found = found or _numba_detect_arrays(k, [g])
+        elif not _is_block(g):
+            found = _reference_unscale(g, inv) or found
+        elif g.dtype in _EXPONENT:
+            found = _half_unscale(_flat(g), inv, k) or found
+        else:
+            flat = _flat(g)
+            factor = g.dtype.type(inv)
+            if flat.nbytes >= _PARALLEL_MIN_BYTES:
+                acc = k.unscale_array_parallel(flat, factor, _CHUNK_BYTES // g.itemsize)
+            else:
+                acc = k.unscale_array(flat, factor)
+            found = found or math.isnan(acc)
+    return found
+
+
+def _numba_detect_arrays(k: ModuleType, leaves: list[np.ndarray]) -> bool:
+    for g in leaves:
+        if g.size == 0:
+            continue
+        if not _is_block(g):
+            if not np.isfinite(g).all():
+                return True
+            continue
+        flat = _flat(g)
+        parallel = flat.nbytes >= _PARALLEL_MIN_BYTES
+        block = _CHUNK_BYTES // g.itemsize
+        if g.dtype in _EXPONENT:
+            bits, mask = flat.view(np.uint16), _EXPONENT[g.dtype]
+            if parallel:
+                hit = bool(k.exponent_all_ones_parallel(bits, mask, block))
+            else:
+                hit = bool(k.exponent_all_ones(bits, mask))
+        else:
+            acc = k.detect_array_parallel(flat, block) if parallel else k.detect_array(flat)
+            hit = math.isnan(acc)
+        if hit:
+            return True
+    return False
 
 
 # -- shared pieces ------------------------------------------------------------

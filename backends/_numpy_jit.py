@@ -25,11 +25,16 @@ from numba.extending import intrinsic
 
 __all__ = [
     "detect",
+    "detect_array",
+    "detect_array_parallel",
     "detect_bits",
     "detect_bits_parallel",
     "detect_parallel",
     "exponent_all_ones",
+    "exponent_all_ones_parallel",
     "unscale",
+    "unscale_array",
+    "unscale_array_parallel",
     "unscale_parallel",
 ]
 
@@ -140,3 +145,71 @@ def exponent_all_ones(bits: Any, mask: Any) -> bool:
     for i in range(bits.size):
         top = max(top, bits[i] & mask)
     return top == mask
+
+
+# -- one array per call: no address table, for sets that are not cached ---------
+
+
+@njit(cache=True, fastmath=_FLAGS, nogil=True)
+def unscale_array(a: Any, inv: Any) -> Any:
+    """:func:`unscale` for one 1-D contiguous array."""
+    acc = inv - inv
+    for i in range(a.size):
+        y = a[i] * inv
+        a[i] = y
+        acc += y - y
+    return acc
+
+
+@njit(cache=True, fastmath=_FLAGS, nogil=True, parallel=True)
+def unscale_array_parallel(a: Any, inv: Any, block: int) -> Any:
+    """:func:`unscale_array` over the machine's threads, ``block`` elements at a time."""
+    acc = inv - inv
+    for b in prange((a.size + block - 1) // block):
+        # A slice, not a range inside the big array: the slice loop vectorises.
+        part_of = a[b * block : (b + 1) * block]
+        part = inv - inv
+        for i in range(part_of.size):
+            y = part_of[i] * inv
+            part_of[i] = y
+            part += y - y
+        acc += part
+    return acc
+
+
+@njit(cache=True, fastmath=_FLAGS, nogil=True)
+def detect_array(a: Any) -> Any:
+    """:func:`detect` for one 1-D contiguous array."""
+    acc = a.dtype.type(0)
+    for i in range(a.size):
+        y = a[i]
+        acc += y - y
+    return acc
+
+
+@njit(cache=True, fastmath=_FLAGS, nogil=True, parallel=True)
+def detect_array_parallel(a: Any, block: int) -> Any:
+    """:func:`detect_array` over the machine's threads, ``block`` elements at a time."""
+    acc = a.dtype.type(0)
+    for b in prange((a.size + block - 1) // block):
+        part_of = a[b * block : (b + 1) * block]
+        part = a.dtype.type(0)
+        for i in range(part_of.size):
+            y = part_of[i]
+            part += y - y
+        acc += part
+    return acc
+
+
+@njit(cache=True, nogil=True, parallel=True)
+def exponent_all_ones_parallel(bits: Any, mask: Any, block: int) -> bool:
+    """:func:`exponent_all_ones` over the machine's threads, ``block`` elements at a time."""
+    hits = 0
+    for b in prange((bits.size + block - 1) // block):
+        part_of = bits[b * block : (b + 1) * block]
+        top = np.uint16(0)
+        for i in range(part_of.size):
+            top = max(top, part_of[i] & mask)
+        if top == mask:
+            hits += 1
+    return hits > 0

@@ -55,6 +55,9 @@ _CHUNK_BYTES = 1 << 20
 #: Below this many bytes (one array, or one table) one thread wins: waking the
 #: others costs ~60 us.
 _PARALLEL_MIN_BYTES = 4 << 20
+#: The same for a cached table of small arrays: those are cache-resident, where
+#: one thread already runs near its limit, so the threads must win more back.
+_TABLE_PARALLEL_MIN_BYTES = 16 << 20
 #: Sets of at least this many arrays (in a flat list, tuple or dict, at most
 #: _CACHE_MAX_BYTES in all) get a plan of address tables, cached: for them one
 #: kernel call per array would cost more than the work. The cache holds
@@ -308,7 +311,7 @@ class FusedNumpyBackend(NumpyBackend):
 
 def _numba_unscale(k: ModuleType, plan: _Plan, inv: float) -> bool:
     found = False
-    parallel = plan.nbytes >= _PARALLEL_MIN_BYTES
+    parallel = plan.nbytes >= _TABLE_PARALLEL_MIN_BYTES
     for dtype, table in plan.tables.items():
         if dtype in _EXPONENT:
             continue
@@ -323,7 +326,7 @@ def _numba_unscale(k: ModuleType, plan: _Plan, inv: float) -> bool:
 
 
 def _numba_detect(k: ModuleType, plan: _Plan) -> bool:
-    parallel = plan.nbytes >= _PARALLEL_MIN_BYTES
+    parallel = plan.nbytes >= _TABLE_PARALLEL_MIN_BYTES
     for dtype, table in plan.tables.items():
         if dtype in _EXPONENT:
             run = k.detect_bits_parallel if parallel and table.addrs.size > 1 else k.detect_bits

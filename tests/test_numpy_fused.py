@@ -54,12 +54,13 @@ MODES = [
 
 @contextlib.contextmanager
 def tuned(chunk: int, parallel: int) -> Iterator[None]:
-    saved = fused._CHUNK_BYTES, fused._PARALLEL_MIN_BYTES
+    saved = fused._CHUNK_BYTES, fused._PARALLEL_MIN_BYTES, fused._TABLE_PARALLEL_MIN_BYTES
     fused._CHUNK_BYTES, fused._PARALLEL_MIN_BYTES = chunk, parallel
+    fused._TABLE_PARALLEL_MIN_BYTES = parallel if parallel == 0 else saved[2]
     try:
         yield
     finally:
-        fused._CHUNK_BYTES, fused._PARALLEL_MIN_BYTES = saved
+        fused._CHUNK_BYTES, fused._PARALLEL_MIN_BYTES, fused._TABLE_PARALLEL_MIN_BYTES = saved
 
 
 def finfo_of(dtype: Any) -> Any:
@@ -126,6 +127,14 @@ def gradient(draw: st.DrawFn) -> tuple[np.ndarray, str]:
 @st.composite
 def gradient_sets(draw: st.DrawFn) -> list[np.ndarray]:
     grads = [g for g, _ in draw(st.lists(gradient(), min_size=0, max_size=8))]
+    if draw(st.booleans()):  # enough arrays for the backend's address tables
+        rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
+        fillers = [
+            (rng.standard_normal(int(rng.integers(0, 6))) * 100).astype(rng.choice(DTYPES))
+            for _ in range(fused._TABLE_MIN_LEAVES)
+        ]
+        at = draw(st.integers(0, len(grads)))
+        grads[at:at] = fillers
     if grads and draw(st.integers(0, 4)) == 0:  # a non-finite value in every array
         for g in grads:
             if g.size:

@@ -52,12 +52,10 @@ _F64 = np.dtype(np.float64)
 _EXPONENT = {_F16: np.uint16(0x7C00), _BF16: np.uint16(0x7F80)}
 #: Work-item and chunk size: small enough to stay in a core's L2 cache.
 _CHUNK_BYTES = 1 << 20
-#: Below this many bytes (one array, or one table) one thread wins: waking the
-#: others costs ~60 us.
-_PARALLEL_MIN_BYTES = 4 << 20
-#: The same for a cached table of small arrays: those are cache-resident, where
-#: one thread already runs near its limit, so the threads must win more back.
-_TABLE_PARALLEL_MIN_BYTES = 16 << 20
+#: Sets of at least this many bytes get one parallel region over all their work
+#: items. Below it one thread wins: waking the others costs ~60 us, and smaller
+#: sets are cache-resident, where one thread already runs near its limit.
+_PARALLEL_MIN_BYTES = 16 << 20
 #: Sets of at least this many arrays (in a flat list, tuple or dict, at most
 #: _CACHE_MAX_BYTES in all) get a plan of address tables, cached: for them one
 #: kernel call per array would cost more than the work. The cache holds
@@ -257,11 +255,14 @@ class FusedNumpyBackend(NumpyBackend):
                 self._plans.move_to_end(key)
                 return plan
         leaves = [leaf for _, leaf in numpy_leaves(grads, writable=writable)]
+        nbytes = sum(a.nbytes for a in leaves)
+        if nbytes >= _PARALLEL_MIN_BYTES:
+            return _Plan(leaves)  # one parallel region for the whole set
         if (
             key is None
             or len(leaves) < _TABLE_MIN_LEAVES
             or not all(c is None or isinstance(c, np.ndarray) for c in children)
-            or sum(a.nbytes for a in leaves) > _CACHE_MAX_BYTES
+            or nbytes > _CACHE_MAX_BYTES
         ):
             return leaves
         plan = _Plan(leaves)
@@ -311,7 +312,7 @@ class FusedNumpyBackend(NumpyBackend):
 
 def _numba_unscale(k: ModuleType, plan: _Plan, inv: float) -> bool:
     found = False
-    parallel = plan.nbytes >= _TABLE_PARALLEL_MIN_BYTES
+    parallel = plan.nbytes >= _PARALLEL_MIN_BYTES
     for dtype, table in plan.tables.items():
         if dtype in _EXPONENT:
             continue
@@ -326,7 +327,7 @@ def _numba_unscale(k: ModuleType, plan: _Plan, inv: float) -> bool:
 
 
 def _numba_detect(k: ModuleType, plan: _Plan) -> bool:
-    parallel = plan.nbytes >= _TABLE_PARALLEL_MIN_BYTES
+    parallel = plan.nbytes >= _PARALLEL_MIN_BYTES
     for dtype, table in plan.tables.items():
         if dtype in _EXPONENT:
             run = k.detect_bits_parallel if parallel and table.addrs.size > 1 else k.detect_bits
@@ -341,7 +342,7 @@ def _numba_detect(k: ModuleType, plan: _Plan) -> bool:
 
 
 def _numba_unscale_arrays(k: ModuleType, leaves: list[np.ndarray], inv: float) -> bool:
-    """One kernel call per array, in the reference's order (so overlaps behave alike)."""
+    """One serial kernel call per array, in the reference's order (overlaps behave alike)."""
     found = False
     for g in leaves:
         if g.size == 0:
@@ -353,13 +354,7 @@ def _numba_unscale_arrays(k: ModuleType, leaves: list[np.ndarray], inv: float) -
         elif g.dtype in _EXPONENT:
             found = _half_unscale(_flat(g), inv, k) or found
         else:
-            flat = _flat(g)
-            factor = g.dtype.type(inv)
-            if flat.nbytes >= _PARALLEL_MIN_BYTES:
-                acc = k.unscale_array_parallel(flat, factor, _CHUNK_BYTES // g.itemsize)
-            else:
-                acc = k.unscale_array(flat, factor)
-            found = found or math.isnan(acc)
+            found = math.isnan(k.unscale_array(_flat(g), g.dtype.type(inv))) or found
     return found
 
 
@@ -372,17 +367,10 @@ def _numba_detect_arrays(k: ModuleType, leaves: list[np.ndarray]) -> bool:
                 return True
             continue
         flat = _flat(g)
-        parallel = flat.nbytes >= _PARALLEL_MIN_BYTES
-        block = _CHUNK_BYTES // g.itemsize
         if g.dtype in _EXPONENT:
-            bits, mask = flat.view(np.uint16), _EXPONENT[g.dtype]
-            if parallel:
-                hit = bool(k.exponent_all_ones_parallel(bits, mask, block))
-            else:
-                hit = bool(k.exponent_all_ones(bits, mask))
+            hit = bool(k.exponent_all_ones(flat.view(np.uint16), _EXPONENT[g.dtype]))
         else:
-            acc = k.detect_array_parallel(flat, block) if parallel else k.detect_array(flat)
-            hit = math.isnan(acc)
+            hit = math.isnan(k.detect_array(flat))
         if hit:
             return True
     return False

@@ -8,7 +8,13 @@ reassociation is allowed (``fastmath={"reassoc"}``): the no-NaN/no-inf flags
 would let the compiler fold ``y - y`` to zero, and contraction would turn it into
 an FMA that leaves the product's rounding error behind. float16 / bfloat16
 detection takes the maximum of the exponent bits of the raw ``uint16`` values,
-an integer reduction that reads each element once.
+an integer reduction that reads each element once (kept in ``uint16``: numba
+would widen ``a & mask`` to int64, which AVX2 cannot max-reduce in vectors).
+
+Parallel kernels spread work items over the threads in one parallel region per
+call: with many regions per call (one per array), a thread descheduled by
+another busy process stalls every region, and a call took 10-50x longer on a
+loaded machine.
 """
 
 # numba's partial type hints do not describe carray or intrinsics; the kernels
@@ -26,15 +32,12 @@ from numba.extending import intrinsic
 __all__ = [
     "detect",
     "detect_array",
-    "detect_array_parallel",
     "detect_bits",
     "detect_bits_parallel",
     "detect_parallel",
     "exponent_all_ones",
-    "exponent_all_ones_parallel",
     "unscale",
     "unscale_array",
-    "unscale_array_parallel",
     "unscale_parallel",
 ]
 
@@ -117,7 +120,7 @@ def detect_bits(addrs: Any, sizes: Any, masks: Any) -> bool:
         mask = masks[j]
         top = np.uint16(0)
         for i in range(a.size):
-            top = max(top, a[i] & mask)
+            top = max(top, np.uint16(a[i] & mask))
         if top == mask:
             return True
     return False
@@ -132,7 +135,7 @@ def detect_bits_parallel(addrs: Any, sizes: Any, masks: Any) -> bool:
         mask = masks[j]
         top = np.uint16(0)
         for i in range(a.size):
-            top = max(top, a[i] & mask)
+            top = max(top, np.uint16(a[i] & mask))
         if top == mask:
             hits += 1
     return hits > 0
@@ -143,11 +146,11 @@ def exponent_all_ones(bits: Any, mask: Any) -> bool:
     """Whether any element of the 1-D ``uint16`` array has every ``mask`` bit set."""
     top = np.uint16(0)
     for i in range(bits.size):
-        top = max(top, bits[i] & mask)
+        top = max(top, np.uint16(bits[i] & mask))
     return top == mask
 
 
-# -- one array per call: no address table, for sets that are not cached ---------
+# -- one array per call: small sets, where building a table costs more than the work
 
 
 @njit(cache=True, fastmath=_FLAGS, nogil=True)
@@ -161,22 +164,6 @@ def unscale_array(a: Any, inv: Any) -> Any:
     return acc
 
 
-@njit(cache=True, fastmath=_FLAGS, nogil=True, parallel=True)
-def unscale_array_parallel(a: Any, inv: Any, block: int) -> Any:
-    """:func:`unscale_array` over the machine's threads, ``block`` elements at a time."""
-    acc = inv - inv
-    for b in prange((a.size + block - 1) // block):
-        # A slice, not a range inside the big array: the slice loop vectorises.
-        part_of = a[b * block : (b + 1) * block]
-        part = inv - inv
-        for i in range(part_of.size):
-            y = part_of[i] * inv
-            part_of[i] = y
-            part += y - y
-        acc += part
-    return acc
-
-
 @njit(cache=True, fastmath=_FLAGS, nogil=True)
 def detect_array(a: Any) -> Any:
     """:func:`detect` for one 1-D contiguous array."""
@@ -185,31 +172,3 @@ def detect_array(a: Any) -> Any:
         y = a[i]
         acc += y - y
     return acc
-
-
-@njit(cache=True, fastmath=_FLAGS, nogil=True, parallel=True)
-def detect_array_parallel(a: Any, block: int) -> Any:
-    """:func:`detect_array` over the machine's threads, ``block`` elements at a time."""
-    acc = a.dtype.type(0)
-    for b in prange((a.size + block - 1) // block):
-        part_of = a[b * block : (b + 1) * block]
-        part = a.dtype.type(0)
-        for i in range(part_of.size):
-            y = part_of[i]
-            part += y - y
-        acc += part
-    return acc
-
-
-@njit(cache=True, nogil=True, parallel=True)
-def exponent_all_ones_parallel(bits: Any, mask: Any, block: int) -> bool:
-    """:func:`exponent_all_ones` over the machine's threads, ``block`` elements at a time."""
-    hits = 0
-    for b in prange((bits.size + block - 1) // block):
-        part_of = bits[b * block : (b + 1) * block]
-        top = np.uint16(0)
-        for i in range(part_of.size):
-            top = max(top, part_of[i] & mask)
-        if top == mask:
-            hits += 1
-    return hits > 0

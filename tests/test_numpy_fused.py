@@ -54,13 +54,12 @@ MODES = [
 
 @contextlib.contextmanager
 def tuned(chunk: int, parallel: int) -> Iterator[None]:
-    saved = fused._CHUNK_BYTES, fused._PARALLEL_MIN_BYTES, fused._TABLE_PARALLEL_MIN_BYTES
+    saved = fused._CHUNK_BYTES, fused._PARALLEL_MIN_BYTES
     fused._CHUNK_BYTES, fused._PARALLEL_MIN_BYTES = chunk, parallel
-    fused._TABLE_PARALLEL_MIN_BYTES = parallel if parallel == 0 else saved[2]
     try:
         yield
     finally:
-        fused._CHUNK_BYTES, fused._PARALLEL_MIN_BYTES, fused._TABLE_PARALLEL_MIN_BYTES = saved
+        fused._CHUNK_BYTES, fused._PARALLEL_MIN_BYTES = saved
 
 
 def finfo_of(dtype: Any) -> Any:

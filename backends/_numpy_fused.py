@@ -23,10 +23,10 @@ from __future__ import annotations
 
 import itertools
 import math
+import operator
 import os
 import threading
 from collections import OrderedDict
-from collections.abc import Mapping
 from types import ModuleType
 from typing import Any
 
@@ -123,10 +123,11 @@ class _Table:
 class _Plan:
     """What one call needs, built from validated leaves (cached for repeated sets)."""
 
-    __slots__ = ("aliased", "halves", "keep", "nbytes", "strided", "tables")
+    __slots__ = ("aliased", "children", "halves", "keep", "nbytes", "strided", "tables")
 
     def __init__(self, leaves: list[np.ndarray]) -> None:
         self.keep = leaves  # the tables hold raw addresses: keep the arrays alive
+        self.children: list[Any] = []  # the container's children, when cached
         blocks: dict[np.dtype[Any], list[np.ndarray]] = {}
         self.strided: list[np.ndarray] = []
         self.halves: list[np.ndarray] = []
@@ -150,11 +151,12 @@ class _Plan:
         self.nbytes = sum(a.nbytes for a in leaves)
 
 
-def _children(grads: Any) -> Any:
+def _children(grads: Any) -> list[Any] | tuple[Any, ...] | None:
+    """The direct children of a flat container the plan cache can recognise."""
     if isinstance(grads, (list, tuple)):
         return grads
-    if isinstance(grads, Mapping):
-        return grads.values()
+    if isinstance(grads, dict):
+        return list(grads.values())
     return None
 
 
@@ -200,7 +202,7 @@ class FusedNumpyBackend(NumpyBackend):
         self._why = ""
         self._resolved = False
         self._lock = threading.Lock()
-        self._plans: OrderedDict[tuple[bool, tuple[int, ...]], _Plan] = OrderedDict()
+        self._plans: OrderedDict[tuple[bool, int, int, int], _Plan] = OrderedDict()
 
     def _resolve(self) -> ModuleType | None:
         if not self._resolved:
@@ -248,11 +250,14 @@ class FusedNumpyBackend(NumpyBackend):
         children = _children(grads)
         key = None
         if children is not None and len(children) >= _TABLE_MIN_LEAVES:
-            # Plans hold references to their arrays, so equal ids mean the same arrays.
-            key = (writable, tuple(map(id, children)))
+            # A cheap key finds the candidate; identity of every child confirms it
+            # (the plan holds its arrays, so an id cannot be reused meanwhile).
+            key = (writable, len(children), id(children[0]), id(children[-1]))
             plan = self._plans.get(key)
-            if plan is not None:
-                self._plans.move_to_end(key)
+            if plan is not None and all(map(operator.is_, children, plan.children)):
+                with self._lock:
+                    if key in self._plans:
+                        self._plans.move_to_end(key)
                 return plan
         leaves = [leaf for _, leaf in numpy_leaves(grads, writable=writable)]
         nbytes = sum(a.nbytes for a in leaves)
@@ -266,6 +271,7 @@ class FusedNumpyBackend(NumpyBackend):
         ):
             return leaves
         plan = _Plan(leaves)
+        plan.children = list(children)
         with self._lock:
             self._plans[key] = plan
             total = sum(p.nbytes for p in self._plans.values())

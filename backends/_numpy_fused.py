@@ -125,12 +125,17 @@ class _Plan:
 
     __slots__ = ("aliased", "children", "halves", "keep", "nbytes", "strided", "tables")
 
-    def __init__(self, leaves: list[np.ndarray]) -> None:
+    def __init__(self, leaves: list[np.ndarray], *, tables: bool = True) -> None:
         self.keep = leaves  # the tables hold raw addresses: keep the arrays alive
         self.children: list[Any] = []  # the container's children, when cached
-        blocks: dict[np.dtype[Any], list[np.ndarray]] = {}
+        self.nbytes = sum(a.nbytes for a in leaves)
+        self.tables: dict[np.dtype[Any], _Table] = {}
         self.strided: list[np.ndarray] = []
         self.halves: list[np.ndarray] = []
+        self.aliased = False
+        if not tables:
+            return
+        blocks: dict[np.dtype[Any], list[np.ndarray]] = {}
         spans: list[tuple[int, int]] = []
         for a in leaves:
             if a.size == 0:
@@ -148,7 +153,6 @@ class _Plan:
         spans.sort()
         self.aliased = any(prev[1] > cur[0] for prev, cur in itertools.pairwise(spans))
         self.tables = {dtype: _Table(dtype, arrays) for dtype, arrays in blocks.items()}
-        self.nbytes = sum(a.nbytes for a in leaves)
 
 
 def _children(grads: Any) -> list[Any] | tuple[Any, ...] | None:
@@ -158,6 +162,10 @@ def _children(grads: Any) -> list[Any] | tuple[Any, ...] | None:
     if isinstance(grads, dict):
         return list(grads.values())
     return None
+
+
+def _leaves(prepared: _Plan | list[np.ndarray]) -> list[np.ndarray]:
+    return prepared if isinstance(prepared, list) else prepared.keep
 
 
 def _numpy_finite(chunk: np.ndarray) -> bool:
@@ -242,9 +250,12 @@ class FusedNumpyBackend(NumpyBackend):
 
     # -- plans ---------------------------------------------------------------
 
-    def _prepare(self, grads: Any, *, writable: bool) -> _Plan | list[np.ndarray]:
+    def _prepare(
+        self, grads: Any, *, writable: bool, tables: bool = True
+    ) -> _Plan | list[np.ndarray]:
         """Validated leaves, or for a repeated set of many small arrays its cached plan.
 
+        ``tables=False`` (the pure-NumPy path) caches the validated leaves only.
         Raises before anything is modified, as :func:`numpy_leaves` does.
         """
         children = _children(grads)
@@ -261,16 +272,17 @@ class FusedNumpyBackend(NumpyBackend):
                 return plan
         leaves = [leaf for _, leaf in numpy_leaves(grads, writable=writable)]
         nbytes = sum(a.nbytes for a in leaves)
-        if nbytes >= _PARALLEL_MIN_BYTES:
+        if tables and nbytes >= _PARALLEL_MIN_BYTES:
             return _Plan(leaves)  # one parallel region for the whole set
         if (
             key is None
+            or children is None
             or len(leaves) < _TABLE_MIN_LEAVES
             or not all(c is None or isinstance(c, np.ndarray) for c in children)
             or nbytes > _CACHE_MAX_BYTES
         ):
             return leaves
-        plan = _Plan(leaves)
+        plan = _Plan(leaves, tables=tables)
         plan.children = list(children)
         with self._lock:
             self._plans[key] = plan
@@ -287,7 +299,7 @@ class FusedNumpyBackend(NumpyBackend):
         inv = inv_scale_of(scale)
         kernels = self._resolve()
         if kernels is None:
-            leaves = [leaf for _, leaf in numpy_leaves(grads, writable=True)]
+            leaves = _leaves(self._prepare(grads, writable=True, tables=False))
             with np.errstate(all="ignore"):
                 return grads, np.bool_(_numpy_unscale(leaves, inv))
         prepared = self._prepare(grads, writable=True)
@@ -304,7 +316,7 @@ class FusedNumpyBackend(NumpyBackend):
         """See :meth:`scaler_core.Backend.find_non_finite`: reads each element once."""
         kernels = self._resolve()
         if kernels is None:
-            leaves = [leaf for _, leaf in numpy_leaves(grads, writable=False)]
+            leaves = _leaves(self._prepare(grads, writable=False, tables=False))
             with np.errstate(all="ignore"):
                 return np.bool_(_numpy_detect(leaves))
         prepared = self._prepare(grads, writable=False)
@@ -430,6 +442,9 @@ def _numpy_unscale(leaves: list[np.ndarray], inv: float) -> bool:
             found = _reference_unscale(g, inv) or found
         elif g.dtype in _EXPONENT:
             found = _half_unscale(_flat(g), inv, None) or found
+        elif g.nbytes <= _CHUNK_BYTES:  # already cache-sized: no chunking to pay for
+            np.multiply(g, g.dtype.type(inv), out=g)
+            found = found or not _numpy_finite(g)
         else:
             flat = _flat(g)
             factor = g.dtype.type(inv)

@@ -241,9 +241,9 @@ def test_unscale_overflow_created_by_unscaling_is_found(
 # -- the plan cache -------------------------------------------------------------
 
 
-@needs_numba
-def test_cached_plan_follows_new_values_and_replaced_arrays() -> None:
-    backend = fused.FusedNumpyBackend(use_numba=True)
+@pytest.mark.parametrize("use_numba", [pytest.param(True, marks=needs_numba), False])
+def test_cached_plan_follows_new_values_and_replaced_arrays(use_numba: bool) -> None:
+    backend = fused.FusedNumpyBackend(use_numba=use_numba)
     grads = [np.full(16, 2.0, np.float32) for _ in range(64)]
     _, found = backend.unscale(grads, 2.0)
     assert not found
@@ -266,9 +266,9 @@ def test_cached_plan_follows_new_values_and_replaced_arrays() -> None:
     assert not backend._plans
 
 
-@needs_numba
-def test_cached_plan_does_not_skip_validation_of_a_read_only_set() -> None:
-    backend = fused.FusedNumpyBackend(use_numba=True)
+@pytest.mark.parametrize("use_numba", [pytest.param(True, marks=needs_numba), False])
+def test_cached_plan_does_not_skip_validation_of_a_read_only_set(use_numba: bool) -> None:
+    backend = fused.FusedNumpyBackend(use_numba=use_numba)
     grads = [np.ones(4, np.float32) for _ in range(40)]
     grads[5].flags.writeable = False
     assert not backend.find_non_finite(grads)  # caches a read-only plan

@@ -173,7 +173,7 @@ def _load_module_backend(module: str) -> Callable[[], Backend]:
 
 
 register_backend(
-    "numpy", _load_module_backend("scaler_core.backends._numpy"), array_modules=["numpy"]
+    "numpy", _load_module_backend("scaler_core.backends._numpy_fused"), array_modules=["numpy"]
 )
 register_backend("cupy", _load_module_backend("scaler_core.backends._cupy"), array_modules=["cupy"])
 register_backend(

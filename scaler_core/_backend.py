@@ -10,6 +10,7 @@ not imported. Backend modules themselves load lazily, on first use.
 from __future__ import annotations
 
 import importlib
+import sys
 import threading
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -172,7 +173,7 @@ def _load_module_backend(module: str) -> Callable[[], Backend]:
 
 
 register_backend(
-    "numpy", _load_module_backend("scaler_core.backends._numpy"), array_modules=["numpy"]
+    "numpy", _load_module_backend("scaler_core.backends._numpy_fused"), array_modules=["numpy"]
 )
 register_backend("cupy", _load_module_backend("scaler_core.backends._cupy"), array_modules=["cupy"])
 register_backend(
@@ -243,6 +244,21 @@ def _backend_name_of(value: Any) -> str | None:
     return name
 
 
+def _dispatch_leaves(tree: Any, root: str) -> Iterable[tuple[str, Any]]:
+    """Leaves for dispatch; JAX pytree nodes (registered dataclasses, equinox
+    modules) are opened with ``jax.tree_util`` when JAX is already loaded."""
+    for path, leaf in leaves_with_paths(tree, root):
+        jax = sys.modules.get("jax")
+        if jax is None or _backend_name_of(leaf) is not None:
+            yield path, leaf
+            continue
+        inner = jax.tree_util.tree_leaves(leaf)
+        if len(inner) == 1 and inner[0] is leaf:
+            yield path, leaf
+        else:
+            yield from ((path, x) for x in inner)
+
+
 def backend_for(*trees: Any, default: str = "numpy") -> Backend:
     """The backend that owns every leaf of ``trees``.
 
@@ -256,7 +272,7 @@ def backend_for(*trees: Any, default: str = "numpy") -> Backend:
     first_path = ""
     for i, tree in enumerate(trees):
         root = "grads" if len(trees) == 1 else f"trees[{i}]"
-        for path, leaf in leaves_with_paths(tree, root):
+        for path, leaf in _dispatch_leaves(tree, root):
             name = _backend_name_of(leaf)
             if name is None:
                 raise GradientTypeError(

@@ -15,6 +15,8 @@ __all__ = [
     "InvalidGradientError",
     "InvalidStateError",
     "LifecycleError",
+    "ReplicaMismatchError",
+    "ReplicaTimeoutError",
     "ScaleCollapseError",
     "ScalerError",
     "SkipLimitError",
@@ -65,3 +67,34 @@ class GradientValueError(InvalidGradientError, ValueError):
 
 class BackendUnavailableError(ScalerError, ImportError):
     """The requested backend is unknown, or its array library is not installed."""
+
+
+class ReplicaMismatchError(ScalerError, RuntimeError):
+    """Data-parallel replicas hold different scaler states or parameters.
+
+    Raised on every replica at once by
+    :func:`scaler_core.distributed.check_consistent`, so no replica is left
+    waiting in a collective. ``groups`` lists the ranks that agree with each
+    other (one list per distinct fingerprint); ``differences`` maps each field
+    or parameter that differs to ``{rank: value}``.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        groups: list[list[int]] | None = None,
+        differences: dict[str, dict[int, object]] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.groups: list[list[int]] = [] if groups is None else groups
+        self.differences: dict[str, dict[int, object]] = {} if differences is None else differences
+
+
+class ReplicaTimeoutError(ScalerError, TimeoutError):
+    """Not every replica joined a collective within the ``timeout`` given.
+
+    One replica has stopped: it raised, left its training loop early (uneven
+    data shards), or waits in a different collective. The communicator cannot
+    be used any more; abort the job (:func:`scaler_core.distributed.abort_on_error`
+    does it when this error reaches it).
+    """

@@ -50,6 +50,8 @@ from __future__ import annotations
 import dataclasses
 import enum
 import math
+import sys
+import threading
 from typing import Any
 
 from ._config import ScalerConfig
@@ -66,6 +68,7 @@ __all__ = [
     "host_flag",
     "host_update",
     "init",
+    "register_pytree",
 ]
 
 
@@ -165,6 +168,16 @@ class ScalerState:
     consecutive_skips: Any = dataclasses.field(default=0, metadata={"static": False})
     failure: Any = dataclasses.field(default=0, metadata={"static": False})
 
+    def __post_init__(self) -> None:
+        # No value checks here (they break under jit/vmap). Only make sure that a
+        # state can be handed to JAX whenever JAX is loaded, without this module
+        # ever importing JAX itself.
+        if not _PYTREE[0] and "jax" in sys.modules:
+            try:
+                register_pytree()
+            except ImportError:  # a stub or broken "jax" module: nothing to register with
+                _PYTREE[0] = True
+
     @property
     def on_host(self) -> bool:
         """Whether every field is a plain Python scalar (not a device array)."""
@@ -196,6 +209,38 @@ class ScalerState:
         return _make(
             self.config, [float(self.scale), *(int(getattr(self, n)) for n in DATA_FIELDS[1:])]
         )
+
+
+_PYTREE = [False]
+_PYTREE_LOCK = threading.Lock()
+
+
+def register_pytree() -> None:
+    """Register :class:`ScalerState` with ``jax.tree_util`` (idempotent; imports JAX).
+
+    The split comes from the one declaration above: fields whose metadata says
+    ``static`` (the config) become pytree auxiliary data, the others
+    (:data:`DATA_FIELDS`) become leaves. Called by the JAX backend on import and
+    by every state construction once JAX is in ``sys.modules``, so a user never
+    needs to call it; it is public for code that builds states before importing
+    JAX and then hands them to JAX directly.
+    """
+    if _PYTREE[0]:
+        return
+    with _PYTREE_LOCK:
+        if _PYTREE[0]:
+            return
+        import jax.tree_util  # noqa: PLC0415 - JAX is optional; imported only here
+
+        fields = dataclasses.fields(ScalerState)
+        data = [f.name for f in fields if not f.metadata["static"]]
+        meta = [f.name for f in fields if f.metadata["static"]]
+        try:
+            jax.tree_util.register_dataclass(ScalerState, data_fields=data, meta_fields=meta)
+        except ValueError as exc:  # already registered (by hand, or a reloaded module)
+            if "egistration" not in str(exc):
+                raise
+        _PYTREE[0] = True
 
 
 def _make(config: ScalerConfig, values: list[Any]) -> ScalerState:

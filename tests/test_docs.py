@@ -17,8 +17,14 @@ MODULES = sorted(
 )
 
 
+#: Public modules that need an optional dependency: skipped cleanly without it.
+OPTIONAL = {"scaler_core.jax_utils": ("jax",), "scaler_core.jax_optax": ("jax", "optax")}
+
+
 @pytest.mark.parametrize("name", MODULES)
 def test_docstring_examples_run(name: str) -> None:
+    for dep in OPTIONAL.get(name, ()):
+        pytest.importorskip(dep, reason=f"{name} needs {dep}")
     module = importlib.import_module(name)
     result = doctest.testmod(module, optionflags=doctest.ELLIPSIS)
     assert result.failed == 0, f"{result.failed} docstring example(s) failed in {name}"

@@ -1,0 +1,483 @@
+"""The default NumPy backend: unscale and detect in one pass over memory.
+
+Same results, bit for bit, as the clear reference in ``_numpy.py``
+(:class:`NumpyBackend`, kept as the oracle the tests compare against), reached
+by one of two paths:
+
+- ``"numba"`` (when numba imports): compiled kernels walk a table of
+  ``(address, length)`` work items, so one call covers thousands of arrays,
+  reads and writes each element once and allocates nothing proportional to the
+  gradients. Large sets use both threads of the machine.
+- ``"numpy"`` (no numba, or ``SCALER_CORE_NUMPY_FALLBACK=1``): each array in
+  1 MiB chunks that stay in cache: multiply, then a float sum of the chunk; a
+  finite sum proves the chunk finite, and only a non-finite sum pays an exact
+  ``isfinite`` re-check.
+
+Arrays that are not one contiguous block, and calls whose arrays overlap in
+memory, take the reference code, which is exact by definition. float16 and
+bfloat16 unscale through NumPy's own casts in cache-sized chunks (so the
+rounding is NumPy's), and are checked with a bit test on their ``uint16`` view.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import operator
+import os
+import threading
+from collections import OrderedDict
+from types import ModuleType
+from typing import Any
+
+import ml_dtypes
+import numpy as np
+from scaler_core.backends._numpy import NumpyBackend, inv_scale_of, numpy_leaves
+
+from scaler_core._errors import BackendUnavailableError
+
+__all__ = ["BACKEND", "ENV_FALLBACK", "REFERENCE", "FusedNumpyBackend"]
+
+#: Set to ``1`` to force the pure-NumPy path even when numba is installed.
+ENV_FALLBACK = "SCALER_CORE_NUMPY_FALLBACK"
+
+#: The clear implementation every fast path is tested against.
+REFERENCE = NumpyBackend()
+
+_F16 = np.dtype(np.float16)
+_BF16 = np.dtype(ml_dtypes.bfloat16)
+_F32 = np.dtype(np.float32)
+_F64 = np.dtype(np.float64)
+#: All-ones exponent of each half type: the element is NaN or +-inf.
+_EXPONENT = {_F16: np.uint16(0x7C00), _BF16: np.uint16(0x7F80)}
+#: Work-item and chunk size: small enough to stay in a core's L2 cache.
+_CHUNK_BYTES = 1 << 20
+#: Sets of at least this many bytes get one parallel region over all their work
+#: items. Below it one thread wins: waking the others costs ~60 us, and smaller
+#: sets are cache-resident, where one thread already runs near its limit.
+_PARALLEL_MIN_BYTES = 16 << 20
+#: Sets of at least this many arrays (in a flat list, tuple or dict, at most
+#: _CACHE_MAX_BYTES in all) get a plan of address tables, cached: for them one
+#: kernel call per array would cost more than the work. The cache holds
+#: references to the arrays, so it is kept small.
+_TABLE_MIN_LEAVES = 32
+_CACHE_MAX_BYTES = 64 << 20
+_CACHE_MAX_PLANS = 4
+
+
+def _load_kernels() -> tuple[ModuleType | None, str]:
+    if os.environ.get(ENV_FALLBACK, "").strip() not in ("", "0"):
+        return None, f"{ENV_FALLBACK} is set"
+    try:
+        from scaler_core.backends import _numpy_jit  # noqa: PLC0415 (numba only on first use)
+    except Exception as exc:  # numba missing, or built for another numpy
+        return None, f"numba is unavailable ({type(exc).__name__}: {exc})"
+    return _numpy_jit, "numba imported"
+
+
+def _address(a: np.ndarray) -> int:
+    return int(a.__array_interface__["data"][0])
+
+
+def _is_block(a: np.ndarray) -> bool:
+    """Whether the elements of ``a`` fill one contiguous block (C or Fortran order)."""
+    flags = a.flags
+    return bool(flags.c_contiguous or flags.f_contiguous)
+
+
+def _flat(a: np.ndarray) -> np.ndarray:
+    """A 1-D view of a contiguous block, in memory order (never a copy)."""
+    return a.reshape(-1, order="F" if not a.flags.c_contiguous else "C")
+
+
+def _bounds(a: np.ndarray) -> tuple[int, int]:
+    low = high = _address(a)
+    for n, stride in zip(a.shape, a.strides, strict=True):
+        if stride < 0:
+            low += (n - 1) * stride
+        else:
+            high += (n - 1) * stride
+    return low, high + a.itemsize
+
+
+class _Table:
+    """Work items ``(address, length)`` of one dtype, split at ``_CHUNK_BYTES``."""
+
+    __slots__ = ("addrs", "like", "masks", "nbytes", "sizes")
+
+    def __init__(self, dtype: np.dtype[Any], arrays: list[np.ndarray]) -> None:
+        addrs = np.array([_address(a) for a in arrays], dtype=np.intp)
+        sizes = np.array([a.size for a in arrays], dtype=np.intp)
+        per = max(1, _CHUNK_BYTES // dtype.itemsize)
+        pieces = (sizes + per - 1) // per
+        starts = np.repeat(np.cumsum(pieces) - pieces, pieces)
+        offset = (np.arange(int(pieces.sum()), dtype=np.intp) - starts) * per
+        whole = np.repeat(sizes, pieces)
+        self.addrs = np.repeat(addrs, pieces) + offset * dtype.itemsize
+        self.sizes = np.minimum(whole - offset, per)
+        self.like = np.empty(0, dtype)
+        self.masks = np.full(self.addrs.size, _EXPONENT.get(dtype, 0), dtype=np.uint16)
+        self.nbytes = int(sizes.sum()) * dtype.itemsize
+
+
+class _Plan:
+    """What one call needs, built from validated leaves (cached for repeated sets)."""
+
+    __slots__ = ("aliased", "children", "halves", "keep", "nbytes", "strided", "tables")
+
+    def __init__(self, leaves: list[np.ndarray], *, tables: bool = True) -> None:
+        self.keep = leaves  # the tables hold raw addresses: keep the arrays alive
+        self.children: list[Any] = []  # the container's children, when cached
+        self.nbytes = sum(a.nbytes for a in leaves)
+        self.tables: dict[np.dtype[Any], _Table] = {}
+        self.strided: list[np.ndarray] = []
+        self.halves: list[np.ndarray] = []
+        self.aliased = False
+        if not tables:
+            return
+        blocks: dict[np.dtype[Any], list[np.ndarray]] = {}
+        spans: list[tuple[int, int]] = []
+        for a in leaves:
+            if a.size == 0:
+                continue
+            if _is_block(a):
+                view = _flat(a)
+                blocks.setdefault(a.dtype, []).append(view)
+                if a.dtype in _EXPONENT:
+                    self.halves.append(view)
+                start = _address(a)
+                spans.append((start, start + a.nbytes))
+            else:
+                self.strided.append(a)
+                spans.append(_bounds(a))
+        spans.sort()
+        self.aliased = any(prev[1] > cur[0] for prev, cur in itertools.pairwise(spans))
+        self.tables = {dtype: _Table(dtype, arrays) for dtype, arrays in blocks.items()}
+
+
+def _children(grads: Any) -> list[Any] | tuple[Any, ...] | None:
+    """The direct children of a flat container the plan cache can recognise."""
+    if isinstance(grads, (list, tuple)):
+        return grads
+    if isinstance(grads, dict):
+        return list(grads.values())
+    return None
+
+
+def _leaves(prepared: _Plan | list[np.ndarray]) -> list[np.ndarray]:
+    return prepared if isinstance(prepared, list) else prepared.keep
+
+
+def _numpy_finite(chunk: np.ndarray) -> bool:
+    """Exact finiteness of a float32/float64 chunk, paying for ``isfinite`` only on doubt."""
+    total = np.add.reduce(chunk, axis=None)
+    return math.isfinite(total) or bool(np.isfinite(chunk).all())
+
+
+def _numpy_half_finite(bits: np.ndarray, mask: np.uint16, scratch: np.ndarray) -> bool:
+    out = scratch[: bits.size]
+    np.bitwise_and(bits, mask, out=out)
+    return bool(out.max() != mask)
+
+
+class FusedNumpyBackend(NumpyBackend):
+    """The NumPy backend's fast path; results identical to :class:`NumpyBackend`.
+
+    Args:
+        use_numba: ``True`` requires numba, ``False`` forces the pure-NumPy
+            path, ``None`` (the default) uses numba when it imports and
+            ``SCALER_CORE_NUMPY_FALLBACK`` is not set.
+
+    Raises:
+        BackendUnavailableError: ``use_numba=True`` and numba does not import.
+
+    >>> import numpy as np
+    >>> from scaler_core import get_backend
+    >>> backend = get_backend("numpy")
+    >>> backend.path in ("numba", "numpy")
+    True
+    >>> g = [np.array([2.0, 4.0], np.float32), np.array([np.inf], np.float16)]
+    >>> _, found = backend.unscale(g, 2.0)
+    >>> g[0].tolist(), bool(found)
+    ([1.0, 2.0], True)
+    """
+
+    name = "numpy"
+
+    def __init__(self, *, use_numba: bool | None = None) -> None:
+        self._use_numba = use_numba
+        self._kernels: ModuleType | None = None
+        self._why = ""
+        self._resolved = False
+        self._lock = threading.Lock()
+        self._plans: OrderedDict[tuple[bool, int, int, int], _Plan] = OrderedDict()
+
+    def _resolve(self) -> ModuleType | None:
+        if not self._resolved:
+            with self._lock:
+                if not self._resolved:
+                    if self._use_numba is False:
+                        self._kernels, self._why = None, "use_numba=False"
+                    else:
+                        self._kernels, self._why = _load_kernels()
+                        if self._kernels is None and self._use_numba:
+                            raise BackendUnavailableError(
+                                f"use_numba=True, but {self._why}; install it with "
+                                f"pip install 'scaler-core[fast]'"
+                            )
+                    self._resolved = True
+        return self._kernels
+
+    @property
+    def path(self) -> str:
+        """``"numba"`` or ``"numpy"``: the path this backend's calls take."""
+        return "numpy" if self._resolve() is None else "numba"
+
+    @property
+    def path_reason(self) -> str:
+        """Why :attr:`path` is what it is (for logs and bug reports)."""
+        self._resolve()
+        return self._why
+
+    def clear_cache(self) -> None:
+        """Drop the cached plans and with them the references to gradient arrays."""
+        with self._lock:
+            self._plans.clear()
+
+    def __repr__(self) -> str:
+        arg = "" if self._use_numba is None else f"use_numba={self._use_numba!r}"
+        return f"FusedNumpyBackend({arg})"
+
+    # -- plans ---------------------------------------------------------------
+
+    def _prepare(
+        self, grads: Any, *, writable: bool, tables: bool = True
+    ) -> _Plan | list[np.ndarray]:
+        """Validated leaves, or for a repeated set of many small arrays its cached plan.
+
+        ``tables=False`` (the pure-NumPy path) caches the validated leaves only.
+        Raises before anything is modified, as :func:`numpy_leaves` does.
+        """
+        children = _children(grads)
+        key = None
+        if children is not None and len(children) >= _TABLE_MIN_LEAVES:
+            # A cheap key finds the candidate; identity of every child confirms it
+            # (the plan holds its arrays, so an id cannot be reused meanwhile).
+            key = (writable, len(children), id(children[0]), id(children[-1]))
+            plan = self._plans.get(key)
+            if plan is not None and all(map(operator.is_, children, plan.children)):
+                with self._lock:
+                    if key in self._plans:
+                        self._plans.move_to_end(key)
+                return plan
+        leaves = [leaf for _, leaf in numpy_leaves(grads, writable=writable)]
+        nbytes = sum(a.nbytes for a in leaves)
+        if tables and nbytes >= _PARALLEL_MIN_BYTES:
+            return _Plan(leaves)  # one parallel region for the whole set
+        if (
+            key is None
+            or children is None
+            or len(leaves) < _TABLE_MIN_LEAVES
+            or not all(c is None or isinstance(c, np.ndarray) for c in children)
+            or nbytes > _CACHE_MAX_BYTES
+        ):
+            return leaves
+        plan = _Plan(leaves, tables=tables)
+        plan.children = list(children)
+        with self._lock:
+            self._plans[key] = plan
+            total = sum(p.nbytes for p in self._plans.values())
+            while len(self._plans) > _CACHE_MAX_PLANS or total > _CACHE_MAX_BYTES:
+                _, dropped = self._plans.popitem(last=False)
+                total -= dropped.nbytes
+        return plan
+
+    # -- the backend ---------------------------------------------------------
+
+    def unscale(self, grads: Any, scale: Any) -> tuple[Any, np.bool_]:
+        """See :meth:`scaler_core.Backend.unscale`: in place, one pass per array."""
+        inv = inv_scale_of(scale)
+        kernels = self._resolve()
+        if kernels is None:
+            leaves = _leaves(self._prepare(grads, writable=True, tables=False))
+            with np.errstate(all="ignore"):
+                return grads, np.bool_(_numpy_unscale(leaves, inv))
+        prepared = self._prepare(grads, writable=True)
+        with np.errstate(all="ignore"):
+            if isinstance(prepared, list):
+                return grads, np.bool_(_numba_unscale_arrays(kernels, prepared, inv))
+            if prepared.aliased:
+                return REFERENCE.unscale(grads, scale)
+            if inv == 1.0:  # the reference writes nothing: neither do we
+                return grads, np.bool_(_numba_detect(kernels, prepared))
+            return grads, np.bool_(_numba_unscale(kernels, prepared, inv))
+
+    def find_non_finite(self, grads: Any) -> np.bool_:
+        """See :meth:`scaler_core.Backend.find_non_finite`: reads each element once."""
+        kernels = self._resolve()
+        if kernels is None:
+            leaves = _leaves(self._prepare(grads, writable=False, tables=False))
+            with np.errstate(all="ignore"):
+                return np.bool_(_numpy_detect(leaves))
+        prepared = self._prepare(grads, writable=False)
+        if isinstance(prepared, list):
+            return np.bool_(_numba_detect_arrays(kernels, prepared))
+        return np.bool_(_numba_detect(kernels, prepared))
+
+
+# -- the numba path -----------------------------------------------------------
+
+
+def _numba_unscale(k: ModuleType, plan: _Plan, inv: float) -> bool:
+    found = False
+    parallel = plan.nbytes >= _PARALLEL_MIN_BYTES
+    for dtype, table in plan.tables.items():
+        if dtype in _EXPONENT:
+            continue
+        run = k.unscale_parallel if parallel and table.addrs.size > 1 else k.unscale
+        acc = run(table.addrs, table.sizes, dtype.type(inv), table.like)
+        found = found or math.isnan(acc)
+    for flat in plan.halves:
+        found = _half_unscale(flat, inv, k) or found
+    for g in plan.strided:
+        found = _reference_unscale(g, inv) or found
+    return found
+
+
+def _numba_detect(k: ModuleType, plan: _Plan) -> bool:
+    parallel = plan.nbytes >= _PARALLEL_MIN_BYTES
+    for dtype, table in plan.tables.items():
+        if dtype in _EXPONENT:
+            run = k.detect_bits_parallel if parallel and table.addrs.size > 1 else k.detect_bits
+            hit = bool(run(table.addrs, table.sizes, table.masks))
+        else:
+            run = k.detect_parallel if parallel and table.addrs.size > 1 else k.detect
+            acc = run(table.addrs, table.sizes, table.like)
+            hit = math.isnan(acc)
+        if hit:
+            return True
+    return any(not bool(np.isfinite(g).all()) for g in plan.strided)
+
+
+def _numba_unscale_arrays(k: ModuleType, leaves: list[np.ndarray], inv: float) -> bool:
+    """One serial kernel call per array, in the reference's order (overlaps behave alike)."""
+    found = False
+    for g in leaves:
+        if g.size == 0:
+            continue
+        if inv == 1.0:  # the reference writes nothing: neither do we
+            found = found or _numba_detect_arrays(k, [g])
+        elif not _is_block(g):
+            found = _reference_unscale(g, inv) or found
+        elif g.dtype in _EXPONENT:
+            found = _half_unscale(_flat(g), inv, k) or found
+        else:
+            found = math.isnan(k.unscale_array(_flat(g), g.dtype.type(inv))) or found
+    return found
+
+
+def _numba_detect_arrays(k: ModuleType, leaves: list[np.ndarray]) -> bool:
+    for g in leaves:
+        if g.size == 0:
+            continue
+        if not _is_block(g):
+            if not np.isfinite(g).all():
+                return True
+            continue
+        flat = _flat(g)
+        if g.dtype in _EXPONENT:
+            hit = bool(k.exponent_all_ones(flat.view(np.uint16), _EXPONENT[g.dtype]))
+        else:
+            hit = math.isnan(k.detect_array(flat))
+        if hit:
+            return True
+    return False
+
+
+# -- shared pieces ------------------------------------------------------------
+
+
+def _reference_unscale(g: np.ndarray, inv: float) -> bool:
+    """The reference's own arithmetic for one array; whether it is now non-finite."""
+    if g.dtype in _EXPONENT:
+        g[...] = np.multiply(g, np.float32(inv), dtype=np.float32)
+    else:
+        np.multiply(g, g.dtype.type(inv), out=g)
+    return not bool(np.isfinite(g).all())
+
+
+def _half_unscale(flat: np.ndarray, inv: float, kernels: ModuleType | None) -> bool:
+    """float16/bfloat16 through NumPy's casts, a cache-sized chunk at a time."""
+    mask = _EXPONENT[flat.dtype]
+    step = _CHUNK_BYTES // 4  # elements per chunk, counted by the float32 temporary
+    temp = np.empty(min(step, flat.size), np.float32)
+    scratch = np.empty(temp.size, np.uint16)
+    factor = np.float32(inv)
+    found = False
+    for lo in range(0, flat.size, step):
+        chunk = flat[lo : lo + step]
+        out = temp[: chunk.size]
+        np.multiply(chunk, factor, out=out, dtype=np.float32)
+        chunk[...] = out
+        if not found:
+            bits = chunk.view(np.uint16)
+            if kernels is not None:
+                found = bool(kernels.exponent_all_ones(bits, mask))
+            else:
+                found = not _numpy_half_finite(bits, mask, scratch)
+    return found
+
+
+# -- the pure-NumPy path ------------------------------------------------------
+
+
+def _numpy_unscale(leaves: list[np.ndarray], inv: float) -> bool:
+    found = False
+    for g in leaves:
+        if g.size == 0:
+            continue
+        if inv == 1.0:  # the reference writes nothing
+            found = found or _numpy_detect([g])
+        elif not _is_block(g):
+            found = _reference_unscale(g, inv) or found
+        elif g.dtype in _EXPONENT:
+            found = _half_unscale(_flat(g), inv, None) or found
+        elif g.nbytes <= _CHUNK_BYTES:  # already cache-sized: no chunking to pay for
+            np.multiply(g, g.dtype.type(inv), out=g)
+            found = found or not _numpy_finite(g)
+        else:
+            flat = _flat(g)
+            factor = g.dtype.type(inv)
+            step = _CHUNK_BYTES // g.itemsize
+            for lo in range(0, flat.size, step):
+                chunk = flat[lo : lo + step]
+                np.multiply(chunk, factor, out=chunk)
+                found = found or not _numpy_finite(chunk)
+    return found
+
+
+def _numpy_detect(leaves: list[np.ndarray]) -> bool:
+    for g in leaves:
+        if g.size == 0:
+            continue
+        if not _is_block(g):
+            if not np.isfinite(g).all():
+                return True
+            continue
+        flat = _flat(g)
+        step = _CHUNK_BYTES // g.itemsize
+        if g.dtype in _EXPONENT:
+            bits = flat.view(np.uint16)
+            mask = _EXPONENT[g.dtype]
+            scratch = np.empty(min(step, flat.size), np.uint16)
+            if any(
+                not _numpy_half_finite(bits[lo : lo + step], mask, scratch)
+                for lo in range(0, flat.size, step)
+            ):
+                return True
+        elif any(not _numpy_finite(flat[lo : lo + step]) for lo in range(0, flat.size, step)):
+            return True
+    return False
+
+
+BACKEND = FusedNumpyBackend()

@@ -1,0 +1,174 @@
+"""Numba kernels for the fused NumPy backend (imported lazily, only when used).
+
+Every kernel walks a table of work items, each a contiguous run of elements
+given by its address and length, so one call covers thousands of arrays with no
+per-array dispatch. Detection accumulates ``y - y`` (``+0`` for a finite ``y``,
+NaN for NaN and +-inf) so the loop vectorises as a float reduction; only
+reassociation is allowed (``fastmath={"reassoc"}``): the no-NaN/no-inf flags
+would let the compiler fold ``y - y`` to zero, and contraction would turn it into
+an FMA that leaves the product's rounding error behind. float16 / bfloat16
+detection takes the maximum of the exponent bits of the raw ``uint16`` values,
+an integer reduction that reads each element once (kept in ``uint16``: numba
+would widen ``a & mask`` to int64, which AVX2 cannot max-reduce in vectors).
+
+Parallel kernels spread work items over the threads in one parallel region per
+call: with many regions per call (one per array), a thread descheduled by
+another busy process stalls every region, and a call took 10-50x longer on a
+loaded machine.
+"""
+
+# numba's partial type hints do not describe carray or intrinsics; the kernels
+# are typed by numba at compile time instead.
+# mypy: disable-error-code="attr-defined,call-arg,no-any-return"
+from __future__ import annotations
+
+from typing import Any
+
+import numba
+import numpy as np
+from numba import njit, prange, types
+from numba.extending import intrinsic
+
+__all__ = [
+    "detect",
+    "detect_array",
+    "detect_bits",
+    "detect_bits_parallel",
+    "detect_parallel",
+    "exponent_all_ones",
+    "unscale",
+    "unscale_array",
+    "unscale_parallel",
+]
+
+_FLAGS = {"reassoc"}
+
+
+@intrinsic
+def _voidptr(typingctx: Any, addr: Any) -> Any:
+    """An integer address as a ``void*``, for ``numba.carray``."""
+    sig = types.voidptr(types.intp)
+
+    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+        return builder.inttoptr(args[0], context.get_value_type(types.voidptr))
+
+    return sig, codegen
+
+
+@njit(cache=True, fastmath=_FLAGS, nogil=True)
+def unscale(addrs: Any, sizes: Any, inv: Any, like: Any) -> Any:
+    """Multiply every item by ``inv`` in place; NaN if any product is not finite.
+
+    ``like`` is an empty array of the items' dtype (it fixes the element type).
+    """
+    acc = inv - inv
+    for j in range(addrs.size):
+        a = numba.carray(_voidptr(addrs[j]), (sizes[j],), like.dtype)
+        for i in range(a.size):
+            y = a[i] * inv
+            a[i] = y
+            acc += y - y
+    return acc
+
+
+@njit(cache=True, fastmath=_FLAGS, nogil=True, parallel=True)
+def unscale_parallel(addrs: Any, sizes: Any, inv: Any, like: Any) -> Any:
+    """:func:`unscale` with the work items spread over the machine's threads."""
+    acc = inv - inv
+    for j in prange(addrs.size):
+        a = numba.carray(_voidptr(addrs[j]), (sizes[j],), like.dtype)
+        part = inv - inv
+        for i in range(a.size):
+            y = a[i] * inv
+            a[i] = y
+            part += y - y
+        acc += part
+    return acc
+
+
+@njit(cache=True, fastmath=_FLAGS, nogil=True)
+def detect(addrs: Any, sizes: Any, like: Any) -> Any:
+    """NaN if any element of any item is NaN or +-inf, else 0. Reads only."""
+    acc = like.dtype.type(0)
+    for j in range(addrs.size):
+        a = numba.carray(_voidptr(addrs[j]), (sizes[j],), like.dtype)
+        for i in range(a.size):
+            y = a[i]
+            acc += y - y
+    return acc
+
+
+@njit(cache=True, fastmath=_FLAGS, nogil=True, parallel=True)
+def detect_parallel(addrs: Any, sizes: Any, like: Any) -> Any:
+    """:func:`detect` with the work items spread over the machine's threads."""
+    acc = like.dtype.type(0)
+    for j in prange(addrs.size):
+        a = numba.carray(_voidptr(addrs[j]), (sizes[j],), like.dtype)
+        part = like.dtype.type(0)
+        for i in range(a.size):
+            y = a[i]
+            part += y - y
+        acc += part
+    return acc
+
+
+@njit(cache=True, nogil=True)
+def detect_bits(addrs: Any, sizes: Any, masks: Any) -> bool:
+    """Whether any ``uint16`` item has all of its exponent bits (``masks[j]``) set."""
+    for j in range(addrs.size):
+        a = numba.carray(_voidptr(addrs[j]), (sizes[j],), np.uint16)
+        mask = masks[j]
+        top = np.uint16(0)
+        for i in range(a.size):
+            top = max(top, np.uint16(a[i] & mask))
+        if top == mask:
+            return True
+    return False
+
+
+@njit(cache=True, nogil=True, parallel=True)
+def detect_bits_parallel(addrs: Any, sizes: Any, masks: Any) -> bool:
+    """:func:`detect_bits` with the work items spread over the machine's threads."""
+    hits = 0
+    for j in prange(addrs.size):
+        a = numba.carray(_voidptr(addrs[j]), (sizes[j],), np.uint16)
+        mask = masks[j]
+        top = np.uint16(0)
+        for i in range(a.size):
+            top = max(top, np.uint16(a[i] & mask))
+        if top == mask:
+            hits += 1
+    return hits > 0
+
+
+@njit(cache=True, nogil=True)
+def exponent_all_ones(bits: Any, mask: Any) -> bool:
+    """Whether any element of the 1-D ``uint16`` array has every ``mask`` bit set."""
+    top = np.uint16(0)
+    for i in range(bits.size):
+        top = max(top, np.uint16(bits[i] & mask))
+    return top == mask
+
+
+# -- one array per call: small sets, where building a table costs more than the work
+
+
+@njit(cache=True, fastmath=_FLAGS, nogil=True)
+def unscale_array(a: Any, inv: Any) -> Any:
+    """:func:`unscale` for one 1-D contiguous array."""
+    acc = inv - inv
+    for i in range(a.size):
+        y = a[i] * inv
+        a[i] = y
+        acc += y - y
+    return acc
+
+
+@njit(cache=True, fastmath=_FLAGS, nogil=True)
+def detect_array(a: Any) -> Any:
+    """:func:`detect` for one 1-D contiguous array."""
+    acc = a.dtype.type(0)
+    for i in range(a.size):
+        y = a[i]
+        acc += y - y
+    return acc

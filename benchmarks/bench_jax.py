@@ -1,0 +1,151 @@
+"""Jitted unscale + detect: scaler-core's JAX backend against the jmp pattern.
+
+Contenders, each one ``jax.jit``-ed function of ``(grads, scale)``, run
+interleaved (A B A B ...) so that machine noise hits both alike; medians:
+
+* ``scaler_core``: ``scaler_core.unscale(grads, scale)``.
+* ``jmp_pattern``: ``tree_map(g * inv)`` then ``jmp.all_finite`` (the code jmp's
+  README recommends; re-implemented here when jmp is not installed).
+* ``flat_buffer`` (orientation only): the same values held in one flat array,
+  one fused multiply and one float-sum detection; what a per-leaf tree cannot
+  beat, since every leaf is its own buffer and kernel.
+
+Trees: ``gpt2`` (GPT-2-small shapes: 148 float32 leaves, 124M values; ``--small``
+divides every leaf by 16) and ``many`` (``--many`` leaves of 1024 float32, 2000 by
+default).
+
+Usage::
+
+    python benchmarks/bench_jax.py [--small] [--device cpu|gpu|auto] [--reps 21]
+        [--trees gpt2,many] [--json out.json]
+
+Times are wall-clock per call with ``block_until_ready``; compile time is
+reported separately (XLA's compile time grows quickly with the leaf count).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import scaler_core as sc
+
+
+def gpt2_shapes(div: int = 1) -> list[tuple[int, ...]]:
+    """The 148 parameter shapes of GPT-2 small (124M), optionally shrunk."""
+    d, vocab, ctx, layers = 768, 50257, 1024, 12
+    shapes: list[tuple[int, ...]] = [(vocab // div, d), (ctx // div, d)]
+    for _ in range(layers):
+        shapes += [(d,), (d,), (d, 3 * d // div), (3 * d // div,), (d, d // div), (d,)]
+        shapes += [(d,), (d,), (d, 4 * d // div), (4 * d // div,), (4 * d // div, d), (d,)]
+    shapes += [(d,), (d,)]
+    return shapes
+
+
+def make_tree(kind: str, small: bool, device: Any, many: int = 2000) -> list[Any]:
+    rng = np.random.default_rng(0)
+    shapes = gpt2_shapes(16 if small else 1) if kind == "gpt2" else [(1024,)] * many
+    return [jax.device_put(rng.standard_normal(s, dtype=np.float32) * 1024, device) for s in shapes]
+
+
+def jmp_pattern(grads: Any, scale: Any) -> tuple[Any, Any]:
+    inv = 1.0 / scale
+    out = jax.tree_util.tree_map(lambda g: g * inv, grads)
+    try:
+        import jmp  # noqa: PLC0415
+
+        finite = jmp.all_finite(out)
+    except ImportError:
+        finite = jnp.stack([jnp.isfinite(x).all() for x in jax.tree_util.tree_leaves(out)]).all()
+    return out, ~finite
+
+
+def ours(grads: Any, scale: Any) -> tuple[Any, Any]:
+    return sc.unscale(grads, scale, backend="jax")
+
+
+def flat_buffer(flat: Any, scale: Any) -> tuple[Any, Any]:
+    y = flat * (jnp.float32(1.0) / scale)
+    return y, jnp.isnan(jnp.sum(y - y))
+
+
+def run(
+    trees: list[str], small: bool, device: Any, reps: int, many: int = 2000
+) -> list[dict[str, Any]]:
+    rows = []
+    scale = jax.device_put(jnp.float32(1024.0), device)
+    for kind in trees:
+        tree = make_tree(kind, small, device, many)
+        flat = jax.device_put(jnp.concatenate([x.ravel() for x in tree]), device)
+        n = sum(x.size for x in tree)
+        inputs: dict[str, tuple[Callable[..., Any], Any]] = {
+            "scaler_core": (jax.jit(ours), tree),
+            "jmp_pattern": (jax.jit(jmp_pattern), tree),
+            "flat_buffer": (jax.jit(flat_buffer), flat),
+        }
+        compile_s, times = {}, {k: [] for k in inputs}
+        for name, (fn, arg) in inputs.items():
+            t0 = time.perf_counter()
+            jax.block_until_ready(fn(arg, scale))
+            compile_s[name] = time.perf_counter() - t0
+            print(f"{kind}: {name} compiled in {compile_s[name]:.1f}s", flush=True)
+        for _ in range(reps):
+            for name, (fn, arg) in inputs.items():
+                t0 = time.perf_counter()
+                jax.block_until_ready(fn(arg, scale))
+                times[name].append(time.perf_counter() - t0)
+        base = statistics.median(times["jmp_pattern"])
+        for name, ts in times.items():
+            med = statistics.median(ts)
+            rows.append(
+                {
+                    "tree": kind,
+                    "leaves": len(tree),
+                    "elements": n,
+                    "contender": name,
+                    "median_ms": med * 1e3,
+                    "gb_per_s": 2 * 4 * n / med / 1e9,  # one read + one write of float32
+                    "speedup_vs_jmp": base / med,
+                    "us_per_leaf": med / len(tree) * 1e6,
+                    "compile_s": compile_s[name],
+                }
+            )
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--small", action="store_true", help="GPT-2 leaves / 16 (quick runs)")
+    ap.add_argument("--device", default="auto", choices=["auto", "cpu", "gpu"])
+    ap.add_argument("--reps", type=int, default=21)
+    ap.add_argument("--trees", default="gpt2,many")
+    ap.add_argument("--many", type=int, default=2000, help="leaf count of the many tree")
+    ap.add_argument("--json", default="bench_jax.json")
+    args = ap.parse_args()
+    device = jax.devices()[0] if args.device == "auto" else jax.devices(args.device)[0]
+    rows = run(args.trees.split(","), args.small, device, args.reps, args.many)
+    print(f"\ndevice: {device} ({device.platform}), jax {jax.__version__}, {platform.machine()}")
+    head = f"{'tree':6} {'contender':12} {'median ms':>10} {'GB/s':>7} {'x jmp':>6} {'us/leaf':>8}"
+    print(head + f" {'compile s':>9}")
+    for r in rows:
+        print(
+            f"{r['tree']:6} {r['contender']:12} {r['median_ms']:10.3f} {r['gb_per_s']:7.2f} "
+            f"{r['speedup_vs_jmp']:6.2f} {r['us_per_leaf']:8.2f} {r['compile_s']:9.1f}"
+        )
+    meta = {"device": str(device), "platform": device.platform, "jax": jax.__version__}
+    with open(args.json, "w") as f:
+        json.dump({"meta": meta, "small": args.small, "rows": rows}, f, indent=2)
+    print(f"wrote {args.json}")
+
+
+if __name__ == "__main__":
+    main()

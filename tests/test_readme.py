@@ -131,6 +131,15 @@ def has_gpu() -> bool:
         return False
 
 
+@cache
+def has_mpi() -> bool:
+    """Whether mpi4py finds an MPI library (probed in a child: importing MPI initialises it)."""
+    probe = subprocess.run(
+        [sys.executable, "-c", "from mpi4py import MPI"], capture_output=True, check=False
+    )
+    return probe.returncode == 0
+
+
 def missing_requirements(block: Block) -> list[str]:
     """What this block needs that this machine lacks."""
     needs = imported_modules(block.code) & OPTIONAL
@@ -146,6 +155,8 @@ def missing_requirements(block: Block) -> list[str]:
                 missing.append("a GPU")
         elif importlib.util.find_spec(need) is None:
             missing.append(need)
+        elif need == "mpi4py" and not has_mpi():
+            missing.append("an MPI library mpi4py can load (tests/test_mpi.py fails on that)")
     return missing
 
 

@@ -15,7 +15,7 @@ from ._backend import Backend, backend_for, get_backend
 from ._config import ScalerConfig
 from ._errors import InvalidStateError, LifecycleError
 from ._serialize import from_dict, to_dict
-from ._state import ScalerState, init
+from ._state import ScalerState, start_state
 
 __all__ = ["GradScaler"]
 
@@ -64,17 +64,7 @@ class GradScaler:
         reduce_found: Callable[[Any], Any] | None = None,
         policy: Callable[[ScalerState, Any], ScalerState] | None = None,
     ) -> None:
-        if state is not None:
-            if not isinstance(state, ScalerState):
-                raise InvalidStateError(
-                    f"state={state!r}, but it must be a ScalerState (use from_dict for a dict)"
-                )
-            if config is not None and config != state.config:
-                raise InvalidStateError(
-                    f"config={config!r} differs from state.config={state.config!r}; "
-                    f"pass only one of them"
-                )
-        self._state = state if state is not None else init(config)
+        self._state = start_state(config, state)
         self._backend = None if backend is None else get_backend(backend)
         if reduce_found is not None and not callable(reduce_found):
             raise InvalidStateError(

@@ -69,6 +69,7 @@ __all__ = [
     "host_update",
     "init",
     "register_pytree",
+    "start_state",
 ]
 
 
@@ -260,6 +261,26 @@ def init(config: ScalerConfig | None = None) -> ScalerState:
             f"config={config!r}, but it must be a ScalerConfig; build one with ScalerConfig(...)"
         )
     return ScalerState(config=config, scale=config.init_scale, hysteresis_tracker=config.hysteresis)
+
+
+def start_state(config: ScalerConfig | None, state: ScalerState | None) -> ScalerState:
+    """``state`` when given (it must agree with ``config``), else ``init(config)``.
+
+    Raises:
+        InvalidStateError: ``state`` is not a :class:`ScalerState`, or both are
+            given and differ.
+    """
+    if state is None:
+        return init(config)
+    if not isinstance(state, ScalerState):
+        raise InvalidStateError(
+            f"state={state!r}, but it must be a ScalerState (use from_dict for a dict)"
+        )
+    if config is not None and config != state.config:
+        raise InvalidStateError(
+            f"config={config!r} differs from state.config={state.config!r}; pass only one of them"
+        )
+    return state
 
 
 def _sat_inc(n: int) -> int:

@@ -36,8 +36,7 @@ import jax.numpy as jnp
 import optax
 
 from ._config import ScalerConfig
-from ._errors import InvalidStateError
-from ._state import ScalerState, init
+from ._state import ScalerState, start_state
 from .backends._jax import BACKEND, to_device
 from .jax_utils import reduce_found
 
@@ -95,18 +94,7 @@ def loss_scaled(
         InvalidStateError: Both ``config`` and ``state`` are given and differ,
             or ``state`` is not a :class:`~scaler_core.ScalerState`.
     """
-    if state is not None:
-        if not isinstance(state, ScalerState):
-            raise InvalidStateError(
-                f"state={state!r}, but it must be a ScalerState (use from_dict for a dict)"
-            )
-        if config is not None and config != state.config:
-            raise InvalidStateError(
-                f"config={config!r} differs from state.config={state.config!r}; pass only one"
-            )
-        start = state
-    else:
-        start = init(config)
+    start = start_state(config, state)
     inner = optax.with_extra_args_support(inner)
 
     def init_fn(params: Any) -> LossScaledState:

@@ -8,6 +8,7 @@ ReplicaTimeoutError, which ``abort_on_error`` turns into an abort of the whole j
 from __future__ import annotations
 
 import argparse
+import time
 
 import numpy as np
 from mpi4py import MPI
@@ -30,3 +31,8 @@ with abort_on_error(comm):
         scaler.should_skip_step()
         scaler.update()
 print(f"rank {rank} finished {scaler.state.steps} steps", flush=True)
+if rank == 1:
+    # Rank 1 stays alive (as if evaluating) instead of exiting: the test is about the others'
+    # bounded wait. An exiting rank would let mpiexec end the job on its own schedule, racing
+    # the timeout and making the messages this test checks nondeterministic.
+    time.sleep(30)

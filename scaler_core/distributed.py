@@ -64,6 +64,9 @@ from ._errors import InvalidConfigError, ReplicaMismatchError, ReplicaTimeoutErr
 from ._state import DATA_FIELDS, ScalerState, host_flag
 from ._tree import leaves_with_paths
 
+#: Seconds an aborting rank waits for the launcher to forward its error message.
+_ABORT_GRACE_S = 0.25
+
 __all__ = [
     "abort_on_error",
     "allreduce_found",
@@ -524,6 +527,10 @@ def _abort(comm: Any, errorcode: int, exc: BaseException) -> None:
     )
     sys.stdout.flush()
     sys.stderr.flush()
+    # The launcher forwards each rank's stderr asynchronously and an abort tears the
+    # forwarding down: give it a moment, or the one message that explains the abort can
+    # be lost (seen with MPICH's hydra when two ranks abort at once).
+    time.sleep(_ABORT_GRACE_S)
     comm.Abort(errorcode)
     mpi = sys.modules.get("mpi4py.MPI")
     if mpi is not None and isinstance(comm, mpi.Comm):

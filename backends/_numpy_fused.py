@@ -27,6 +27,7 @@ import operator
 import os
 import threading
 from collections import OrderedDict
+from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
@@ -377,21 +378,12 @@ def _numba_unscale_arrays(k: ModuleType, leaves: list[np.ndarray], inv: float) -
 
 
 def _numba_detect_arrays(k: ModuleType, leaves: list[np.ndarray]) -> bool:
-    for g in leaves:
-        if g.size == 0:
-            continue
-        if not _is_block(g):
-            if not np.isfinite(g).all():
-                return True
-            continue
-        flat = _flat(g)
-        if g.dtype in _EXPONENT:
-            hit = bool(k.exponent_all_ones(flat.view(np.uint16), _EXPONENT[g.dtype]))
-        else:
-            hit = math.isnan(k.detect_array(flat))
-        if hit:
-            return True
-    return False
+    def hit(flat: np.ndarray) -> bool:
+        if flat.dtype in _EXPONENT:
+            return bool(k.exponent_all_ones(flat.view(np.uint16), _EXPONENT[flat.dtype]))
+        return math.isnan(k.detect_array(flat))
+
+    return _detect_leaves(leaves, hit)
 
 
 # -- shared pieces ------------------------------------------------------------
@@ -457,25 +449,31 @@ def _numpy_unscale(leaves: list[np.ndarray], inv: float) -> bool:
 
 
 def _numpy_detect(leaves: list[np.ndarray]) -> bool:
+    def hit(flat: np.ndarray) -> bool:
+        step = _CHUNK_BYTES // flat.itemsize
+        if flat.dtype in _EXPONENT:
+            bits = flat.view(np.uint16)
+            mask = _EXPONENT[flat.dtype]
+            scratch = np.empty(min(step, flat.size), np.uint16)
+            return any(
+                not _numpy_half_finite(bits[lo : lo + step], mask, scratch)
+                for lo in range(0, flat.size, step)
+            )
+        return any(not _numpy_finite(flat[lo : lo + step]) for lo in range(0, flat.size, step))
+
+    return _detect_leaves(leaves, hit)
+
+
+def _detect_leaves(leaves: list[np.ndarray], block_hit: Callable[[np.ndarray], bool]) -> bool:
+    """Whether any leaf holds NaN/inf: ``block_hit`` on each contiguous leaf's flat view,
+    an exact ``isfinite`` on strided ones (shared by the numba and pure-NumPy paths)."""
     for g in leaves:
         if g.size == 0:
             continue
         if not _is_block(g):
             if not np.isfinite(g).all():
                 return True
-            continue
-        flat = _flat(g)
-        step = _CHUNK_BYTES // g.itemsize
-        if g.dtype in _EXPONENT:
-            bits = flat.view(np.uint16)
-            mask = _EXPONENT[g.dtype]
-            scratch = np.empty(min(step, flat.size), np.uint16)
-            if any(
-                not _numpy_half_finite(bits[lo : lo + step], mask, scratch)
-                for lo in range(0, flat.size, step)
-            ):
-                return True
-        elif any(not _numpy_finite(flat[lo : lo + step]) for lo in range(0, flat.size, step)):
+        elif block_hit(_flat(g)):
             return True
     return False
 

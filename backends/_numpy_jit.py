@@ -113,15 +113,19 @@ def detect_parallel(addrs: Any, sizes: Any, like: Any) -> Any:
 
 
 @njit(cache=True, nogil=True)
+def exponent_all_ones(bits: Any, mask: Any) -> bool:
+    """Whether any element of the 1-D ``uint16`` array has every ``mask`` bit set."""
+    top = np.uint16(0)
+    for i in range(bits.size):
+        top = max(top, np.uint16(bits[i] & mask))
+    return top == mask
+
+
+@njit(cache=True, nogil=True)
 def detect_bits(addrs: Any, sizes: Any, masks: Any) -> bool:
     """Whether any ``uint16`` item has all of its exponent bits (``masks[j]``) set."""
     for j in range(addrs.size):
-        a = numba.carray(_voidptr(addrs[j]), (sizes[j],), np.uint16)
-        mask = masks[j]
-        top = np.uint16(0)
-        for i in range(a.size):
-            top = max(top, np.uint16(a[i] & mask))
-        if top == mask:
+        if exponent_all_ones(numba.carray(_voidptr(addrs[j]), (sizes[j],), np.uint16), masks[j]):
             return True
     return False
 
@@ -132,22 +136,9 @@ def detect_bits_parallel(addrs: Any, sizes: Any, masks: Any) -> bool:
     hits = 0
     for j in prange(addrs.size):
         a = numba.carray(_voidptr(addrs[j]), (sizes[j],), np.uint16)
-        mask = masks[j]
-        top = np.uint16(0)
-        for i in range(a.size):
-            top = max(top, np.uint16(a[i] & mask))
-        if top == mask:
+        if exponent_all_ones(a, masks[j]):
             hits += 1
     return hits > 0
-
-
-@njit(cache=True, nogil=True)
-def exponent_all_ones(bits: Any, mask: Any) -> bool:
-    """Whether any element of the 1-D ``uint16`` array has every ``mask`` bit set."""
-    top = np.uint16(0)
-    for i in range(bits.size):
-        top = max(top, np.uint16(bits[i] & mask))
-    return top == mask
 
 
 # -- one array per call: small sets, where building a table costs more than the work

@@ -73,6 +73,29 @@ def _roofline(grads: list[np.ndarray], task: str) -> Work | None:
     return work
 
 
+def _bound(grads: list[np.ndarray], task: str) -> Work | None:
+    """One read and one write of every element on all threads, nothing else.
+
+    The same numba work-item walk as scaler-core's kernel without the
+    detection, over an address table built once: the machine's memory (or
+    cache) limit for an in-place unscale, which no unscale + detect can beat.
+    """
+    if task != "unscale":
+        return None
+    try:
+        from benchmarks import _bound_kernel  # noqa: PLC0415 (numba only here)
+    except ImportError:
+        return None
+    table = _bound_kernel.Table(grads)
+    factors = itertools.cycle([np.float32(1 / s) for s in _SCALES])
+
+    def work() -> bool:
+        table.scale(next(factors))
+        return False  # no detection; the harness skips its check
+
+    return work
+
+
 def _torch(grads: list[np.ndarray], task: str) -> Work | None:
     if task != "unscale":
         return None
@@ -99,8 +122,9 @@ CONTENDERS: dict[str, Contender] = {
         Contender("naive", _naive, "g *= s; isfinite(g).all() per array"),
         Contender("torch", _torch, "torch._amp_foreach_non_finite_check_and_unscale_"),
         Contender("roofline", _roofline, "np.multiply(g, s, out=g) per array, no detection"),
+        Contender("bound", _bound, "in-place multiply on all threads, no detection (numba)"),
     ]
 }
 
 #: Contenders whose result is not a detection, so the harness does not check it.
-NO_FLAG = {"roofline"}
+NO_FLAG = {"roofline", "bound"}

@@ -1,0 +1,52 @@
+"""The ``bound`` contender's kernel: an in-place multiply on all threads, nothing else.
+
+Imported only when numba is installed. It is the fastest way we know to read
+and write every gradient element once, so it marks the machine's limit for an
+in-place unscale: a contender that runs at its speed is bound by memory (or
+cache), not by its own code.
+"""
+
+# mypy: disable-error-code="attr-defined,call-arg,no-any-return"
+from __future__ import annotations
+
+from typing import Any
+
+import numba
+import numpy as np
+from numba import njit, prange
+from scaler_core.backends._numpy_jit import _voidptr
+
+__all__ = ["Table"]
+
+_ITEM_BYTES = 1 << 20
+
+
+@njit(nogil=True, parallel=True)  # no disk cache: the module is also loaded by path
+def _scale(addrs: Any, sizes: Any, factor: Any, like: Any) -> None:
+    for j in prange(addrs.size):
+        a = numba.carray(_voidptr(addrs[j]), (sizes[j],), like.dtype)
+        for i in range(a.size):
+            a[i] = a[i] * factor
+
+
+class Table:
+    """Work items of at most 1 MiB over contiguous float arrays of one dtype."""
+
+    def __init__(self, grads: list[np.ndarray]) -> None:
+        if not grads or any(g.dtype != grads[0].dtype or not g.flags.c_contiguous for g in grads):
+            raise ValueError("grads must be non-empty C-contiguous arrays of one dtype")
+        self.keep = grads
+        per = _ITEM_BYTES // grads[0].itemsize
+        addrs, sizes = [], []
+        for g in grads:
+            base = g.ctypes.data
+            for lo in range(0, g.size, per):
+                addrs.append(base + lo * g.itemsize)
+                sizes.append(min(per, g.size - lo))
+        self.addrs = np.array(addrs, np.intp)
+        self.sizes = np.array(sizes, np.intp)
+        self.like = np.empty(0, grads[0].dtype)
+
+    def scale(self, factor: Any) -> None:
+        """Multiply every element by ``factor`` (of the arrays' dtype) in place."""
+        _scale(self.addrs, self.sizes, self.like.dtype.type(factor), self.like)

@@ -54,12 +54,19 @@ MODES = [
 
 @contextlib.contextmanager
 def tuned(chunk: int, parallel: int) -> Iterator[None]:
-    saved = fused._CHUNK_BYTES, fused._PARALLEL_MIN_BYTES
-    fused._CHUNK_BYTES, fused._PARALLEL_MIN_BYTES = chunk, parallel
+    """Module constants set for one mode; small chunks also get detection batches
+    of four work items, so parallel detection runs batch after batch."""
+    saved = fused._CHUNK_BYTES, fused._PARALLEL_MIN_BYTES, fused._DETECT_BATCH_BYTES
+    batch = fused._DETECT_BATCH_BYTES if chunk == fused._CHUNK_BYTES else 4 * chunk
+    fused._CHUNK_BYTES, fused._PARALLEL_MIN_BYTES, fused._DETECT_BATCH_BYTES = (
+        chunk,
+        parallel,
+        batch,
+    )
     try:
         yield
     finally:
-        fused._CHUNK_BYTES, fused._PARALLEL_MIN_BYTES = saved
+        fused._CHUNK_BYTES, fused._PARALLEL_MIN_BYTES, fused._DETECT_BATCH_BYTES = saved
 
 
 def finfo_of(dtype: Any) -> Any:
@@ -225,6 +232,37 @@ def test_one_inf_among_many_arrays_is_found(
     assert_same(grads, expected)
 
 
+@needs_numba
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: np.dtype(d).name)
+@pytest.mark.parametrize(("where", "batches_run"), [(0, 1), (11, 1), (12, 2), (30, 3), (39, 4)])
+def test_parallel_detection_stops_after_the_batch_with_the_hit(
+    dtype: Any, where: int, batches_run: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    rng = np.random.default_rng(2)
+    grads = [rng.standard_normal(16).astype(dtype) for _ in range(40)]  # one item each
+    grads[where][7] = np.inf
+    backend = fused.FusedNumpyBackend(use_numba=True)
+    kernels = backend._resolve()
+    name = "detect_bits_parallel" if np.dtype(dtype) in fused._EXPONENT else "detect_parallel"
+    calls: list[int] = []
+    real = getattr(kernels, name)
+
+    def counted(addrs: Any, *rest: Any) -> Any:
+        calls.append(addrs.size)
+        return real(addrs, *rest)
+
+    monkeypatch.setattr(kernels, name, counted)
+    item = grads[0].nbytes
+    with tuned(item, 0):  # every array one work item, always parallel
+        monkeypatch.setattr(fused, "_DETECT_BATCH_BYTES", 12 * item)  # 12 items a batch
+        assert backend.find_non_finite(grads)
+        assert calls == [12, 12, 12, 4][:batches_run]
+        calls.clear()
+        grads[where][7] = 1.0
+        assert not backend.find_non_finite(grads)
+        assert calls == [12, 12, 12, 4]  # a clean set is read whole
+
+
 @pytest.mark.parametrize(("use_numba", "chunk", "parallel"), MODES)
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: np.dtype(d).name)
 def test_unscale_overflow_created_by_unscaling_is_found(
@@ -241,8 +279,15 @@ def test_unscale_overflow_created_by_unscaling_is_found(
 # -- the plan cache -------------------------------------------------------------
 
 
-@pytest.mark.parametrize("use_numba", [pytest.param(True, marks=needs_numba), False])
-def test_cached_plan_follows_new_values_and_replaced_arrays(use_numba: bool) -> None:
+@pytest.mark.parametrize(("use_numba", "chunk", "parallel"), MODES)
+def test_cached_plan_follows_new_values_and_replaced_arrays(
+    use_numba: bool, chunk: int, parallel: int
+) -> None:
+    with tuned(chunk, parallel):
+        _cached_plan_follows_new_values_and_replaced_arrays(use_numba)
+
+
+def _cached_plan_follows_new_values_and_replaced_arrays(use_numba: bool) -> None:
     backend = fused.FusedNumpyBackend(use_numba=use_numba)
     grads = [np.full(16, 2.0, np.float32) for _ in range(64)]
     _, found = backend.unscale(grads, 2.0)
@@ -262,6 +307,8 @@ def test_cached_plan_follows_new_values_and_replaced_arrays(use_numba: bool) -> 
     _, found = backend.unscale(wrapped, 0.5)
     assert not found
     assert (grads[10] == 8.0).all()
+    (plan,) = backend._plans.values()  # same first and last arrays: one slot, replaced
+    assert plan.children[10] is grads[10]
     backend.clear_cache()
     assert not backend._plans
 

@@ -6,6 +6,11 @@ interleaved (A B A B ...) so that machine noise hits both alike; medians:
 * ``scaler_core``: ``scaler_core.unscale(grads, scale)``.
 * ``jmp_pattern``: ``tree_map(g * inv)`` then ``jmp.all_finite`` (the code jmp's
   README recommends; re-implemented here when jmp is not installed).
+* ``multiply_only`` (the floor): ``tree_map(g * inv)`` with no detection at
+  all. Every per-leaf implementation pays at least this, because each output
+  leaf is its own buffer; the jmp pattern's cost above it is its detection.
+* ``tiny_outputs`` (orientation only): ``tree_map(g[:1] * inv)``, one element
+  of each leaf; what the output leaves cost whatever they compute.
 * ``flat_buffer`` (orientation only): the same values held in one flat array,
   one fused multiply and one float-sum detection; what a per-leaf tree cannot
   beat, since every leaf is its own buffer and kernel.
@@ -17,10 +22,15 @@ default).
 Usage::
 
     python benchmarks/bench_jax.py [--small] [--device cpu|gpu|auto] [--reps 21]
-        [--trees gpt2,many] [--json out.json]
+        [--trees gpt2,many] [--sync flag|tree] [--json out.json]
 
-Times are wall-clock per call with ``block_until_ready``; compile time is
-reported separately (XLA's compile time grows quickly with the leaf count).
+Times are wall-clock per call until the computation is done: by default the
+timer waits on the call's scalar output only (``--sync flag``), since all
+outputs of one XLA execution complete together (checked after every call,
+outside the timer: every leaf is then ready), while ``jax.block_until_ready``
+on the whole tree (``--sync tree``) adds a per-leaf host cost of its own to
+every contender. Compile time is reported separately (XLA's compile time grows
+quickly with the leaf count).
 """
 
 from __future__ import annotations
@@ -73,13 +83,43 @@ def ours(grads: Any, scale: Any) -> tuple[Any, Any]:
     return sc.unscale(grads, scale, backend="jax")
 
 
+def multiply_only(grads: Any, scale: Any) -> tuple[Any, Any]:
+    inv = 1.0 / scale
+    return jax.tree_util.tree_map(lambda g: g * inv, grads), inv
+
+
+def tiny_outputs(grads: Any, scale: Any) -> tuple[Any, Any]:
+    inv = 1.0 / scale
+    return jax.tree_util.tree_map(lambda g: g.reshape(-1)[:1] * inv, grads), inv
+
+
 def flat_buffer(flat: Any, scale: Any) -> tuple[Any, Any]:
     y = flat * (jnp.float32(1.0) / scale)
     return y, jnp.isnan(jnp.sum(y - y))
 
 
+def timed(fn: Callable[..., Any], arg: Any, scale: Any, sync: str) -> float:
+    """Seconds of one call until its computation is done (see the module doc)."""
+    t0 = time.perf_counter()
+    out, scalar = fn(arg, scale)
+    if sync == "tree":
+        jax.block_until_ready((out, scalar))
+    else:
+        scalar.block_until_ready()
+    took = time.perf_counter() - t0
+    if not all(leaf.is_ready() for leaf in jax.tree_util.tree_leaves(out)):
+        raise AssertionError("a leaf was not ready when the scalar output was: use --sync tree")
+    return took
+
+
 def run(
-    trees: list[str], small: bool, device: Any, reps: int, many: int = 2000
+    trees: list[str],
+    small: bool,
+    device: Any,
+    reps: int,
+    *,
+    many: int = 2000,
+    sync: str = "flag",
 ) -> list[dict[str, Any]]:
     rows = []
     scale = jax.device_put(jnp.float32(1024.0), device)
@@ -90,6 +130,8 @@ def run(
         inputs: dict[str, tuple[Callable[..., Any], Any]] = {
             "scaler_core": (jax.jit(ours), tree),
             "jmp_pattern": (jax.jit(jmp_pattern), tree),
+            "multiply_only": (jax.jit(multiply_only), tree),
+            "tiny_outputs": (jax.jit(tiny_outputs), tree),
             "flat_buffer": (jax.jit(flat_buffer), flat),
         }
         compile_s, times = {}, {k: [] for k in inputs}
@@ -100,9 +142,7 @@ def run(
             print(f"{kind}: {name} compiled in {compile_s[name]:.1f}s", flush=True)
         for _ in range(reps):
             for name, (fn, arg) in inputs.items():
-                t0 = time.perf_counter()
-                jax.block_until_ready(fn(arg, scale))
-                times[name].append(time.perf_counter() - t0)
+                times[name].append(timed(fn, arg, scale, sync))
         base = statistics.median(times["jmp_pattern"])
         for name, ts in times.items():
             med = statistics.median(ts)
@@ -117,6 +157,7 @@ def run(
                     "speedup_vs_jmp": base / med,
                     "us_per_leaf": med / len(tree) * 1e6,
                     "compile_s": compile_s[name],
+                    "sync": sync,
                 }
             )
     return rows
@@ -129,10 +170,13 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=21)
     ap.add_argument("--trees", default="gpt2,many")
     ap.add_argument("--many", type=int, default=2000, help="leaf count of the many tree")
+    ap.add_argument(
+        "--sync", default="flag", choices=["flag", "tree"], help="what the timer waits on"
+    )
     ap.add_argument("--json", default="bench_jax.json")
     args = ap.parse_args()
     device = jax.devices()[0] if args.device == "auto" else jax.devices(args.device)[0]
-    rows = run(args.trees.split(","), args.small, device, args.reps, args.many)
+    rows = run(args.trees.split(","), args.small, device, args.reps, many=args.many, sync=args.sync)
     print(f"\ndevice: {device} ({device.platform}), jax {jax.__version__}, {platform.machine()}")
     head = f"{'tree':6} {'contender':12} {'median ms':>10} {'GB/s':>7} {'x jmp':>6} {'us/leaf':>8}"
     print(head + f" {'compile s':>9}")

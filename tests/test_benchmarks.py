@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
 
@@ -15,18 +15,11 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _load(relative: str, name: str) -> ModuleType:
-    spec = importlib.util.spec_from_file_location(name, ROOT / relative)
-    assert spec is not None
-    assert spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-def test_bound_kernel_multiplies_every_element_in_place() -> None:
+def test_bound_kernel_multiplies_every_element_in_place(
+    repo_module: Callable[[str], ModuleType],
+) -> None:
     pytest.importorskip("numba")
-    bound = _load("benchmarks/_bound_kernel.py", "_bound_kernel")
+    bound = repo_module("benchmarks/_bound_kernel.py")
     rng = np.random.default_rng(3)
     # one array spans several 1 MiB work items, with a ragged last one
     grads = [rng.standard_normal(n).astype(np.float32) for n in (1, 1000, 600_000)]
@@ -86,9 +79,11 @@ def test_harness_rejects_an_unknown_cache_mode() -> None:
     assert "'warm'" in run.stderr
 
 
-def test_jax_benchmark_runs_every_contender_on_a_tiny_tree() -> None:
+def test_jax_benchmark_runs_every_contender_on_a_tiny_tree(
+    repo_module: Callable[[str], ModuleType],
+) -> None:
     jax = pytest.importorskip("jax")
-    bench = _load("benchmarks/bench_jax.py", "bench_jax")
+    bench = repo_module("benchmarks/bench_jax.py")
     device = jax.devices("cpu")[0]
     rows = bench.run(["many"], small=True, device=device, reps=2, many=12, sync="flag")
     assert [r["contender"] for r in rows] == [
@@ -106,10 +101,12 @@ def test_jax_benchmark_runs_every_contender_on_a_tiny_tree() -> None:
     assert next(r for r in rows if r["contender"] == "jmp_pattern")["speedup_vs_jmp"] == 1.0
 
 
-def test_jax_benchmark_waits_on_the_whole_tree_when_asked() -> None:
+def test_jax_benchmark_waits_on_the_whole_tree_when_asked(
+    repo_module: Callable[[str], ModuleType],
+) -> None:
     jax = pytest.importorskip("jax")
     jnp = pytest.importorskip("jax.numpy")
-    bench = _load("benchmarks/bench_jax.py", "bench_jax")
+    bench = repo_module("benchmarks/bench_jax.py")
     tree = [jnp.full((8,), 4.0), jnp.full((3,), jnp.inf)]
     fn = jax.jit(bench.ours)
     for sync in ("flag", "tree"):

@@ -14,7 +14,9 @@ import shutil
 import subprocess
 import sys
 import textwrap
+from collections.abc import Callable
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import numpy as np
@@ -344,20 +346,10 @@ def test_plan_cache_hits_the_same_arrays_and_never_keeps_them_alive(
 
 
 # ---------------------------------------------------------------- benchmark
-def _bench_module() -> Any:
-    import importlib.util
-
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_gpu.py"
-    spec = importlib.util.spec_from_file_location("bench_gpu", path)
-    assert spec is not None
-    assert spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-def test_benchmark_sets_have_the_documented_sizes() -> None:
-    bench = _bench_module()
+def test_benchmark_sets_have_the_documented_sizes(
+    repo_module: Callable[[str], ModuleType],
+) -> None:
+    bench = repo_module("benchmarks/bench_gpu.py")
     gpt2 = bench.gpt2_small_shapes()
     assert len(gpt2) == 148
     assert sum(int(np.prod(s)) for s in gpt2) == 124_439_808
@@ -390,8 +382,10 @@ def test_benchmark_without_a_gpu_says_why_and_writes_its_json(tmp_path: Path) ->
     assert report["reason"]
 
 
-def test_benchmark_goals_and_table_read_a_report() -> None:
-    bench = _bench_module()
+def test_benchmark_goals_and_table_read_a_report(
+    repo_module: Callable[[str], ModuleType],
+) -> None:
+    bench = repo_module("benchmarks/bench_gpu.py")
 
     def res(ms: float, frac: float, vs: float | None) -> dict[str, Any]:
         return {

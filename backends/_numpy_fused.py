@@ -110,9 +110,8 @@ class _Table:
 
     __slots__ = ("addrs", "like", "masks", "nbytes", "sizes")
 
-    def __init__(self, dtype: np.dtype[Any], arrays: list[np.ndarray]) -> None:
-        addrs = np.array([_address(a) for a in arrays], dtype=np.intp)
-        sizes = np.array([a.size for a in arrays], dtype=np.intp)
+    def __init__(self, dtype: np.dtype[Any], starts_sizes: list[tuple[int, int]]) -> None:
+        addrs, sizes = np.array(starts_sizes, dtype=np.intp).reshape(-1, 2).T
         per = max(1, _CHUNK_BYTES // dtype.itemsize)
         pieces = (sizes + per - 1) // per
         starts = np.repeat(np.cumsum(pieces) - pieces, pieces)
@@ -140,24 +139,23 @@ class _Plan:
         self.aliased = False
         if not tables:
             return
-        blocks: dict[np.dtype[Any], list[np.ndarray]] = {}
+        blocks: dict[np.dtype[Any], list[tuple[int, int]]] = {}
         spans: list[tuple[int, int]] = []
         for a in leaves:
             if a.size == 0:
                 continue
             if _is_block(a):
-                view = _flat(a)
-                blocks.setdefault(a.dtype, []).append(view)
+                start = _address(a)  # ~2 us an array: read once
+                blocks.setdefault(a.dtype, []).append((start, a.size))
                 if a.dtype in _EXPONENT:
-                    self.halves.append(view)
-                start = _address(a)
+                    self.halves.append(_flat(a))
                 spans.append((start, start + a.nbytes))
             else:
                 self.strided.append(a)
                 spans.append(_bounds(a))
         spans.sort()
         self.aliased = any(prev[1] > cur[0] for prev, cur in itertools.pairwise(spans))
-        self.tables = {dtype: _Table(dtype, arrays) for dtype, arrays in blocks.items()}
+        self.tables = {dtype: _Table(dtype, items) for dtype, items in blocks.items()}
 
 
 def _children(grads: Any) -> list[Any] | tuple[Any, ...] | None:

@@ -131,7 +131,8 @@ class _Plan:
 
     def __init__(self, leaves: list[np.ndarray], *, tables: bool = True) -> None:
         self.keep = leaves  # the tables hold raw addresses: keep the arrays alive
-        self.children: list[Any] = []  # the container's children, when cached
+        # the container's children, when cached (a tuple as given, else a copy)
+        self.children: list[Any] | tuple[Any, ...] = []
         self.nbytes = sum(a.nbytes for a in leaves)
         self.tables: dict[np.dtype[Any], _Table] = {}
         self.strided: list[np.ndarray] = []
@@ -268,7 +269,10 @@ class FusedNumpyBackend(NumpyBackend):
             # (the plan holds its arrays, so an id cannot be reused meanwhile).
             key = (writable, len(children), id(children[0]), id(children[-1]))
             plan = self._plans.get(key)
-            if plan is not None and all(map(operator.is_, children, plan.children)):
+            if plan is not None and (
+                children is plan.children  # the same tuple: its items cannot have changed
+                or all(map(operator.is_, children, plan.children))
+            ):
                 with self._lock:
                     if key in self._plans:
                         self._plans.move_to_end(key)
@@ -286,7 +290,7 @@ class FusedNumpyBackend(NumpyBackend):
                 return _Plan(leaves)  # one parallel region for the whole set
             return leaves
         plan = _Plan(leaves, tables=tables)
-        plan.children = list(children)
+        plan.children = children if type(children) is tuple else list(children)
         with self._lock:
             self._plans[key] = plan
             total = sum(p.nbytes for p in self._plans.values())

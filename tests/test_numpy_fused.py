@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import doctest
+import operator
 import os
 import subprocess
 import sys
@@ -311,6 +312,33 @@ def _cached_plan_follows_new_values_and_replaced_arrays(use_numba: bool) -> None
     assert plan.children[10] is grads[10]
     backend.clear_cache()
     assert not backend._plans
+
+
+@pytest.mark.parametrize("use_numba", [pytest.param(True, marks=needs_numba), False])
+def test_a_tuple_seen_before_is_recognised_without_checking_every_array(
+    use_numba: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    backend = fused.FusedNumpyBackend(use_numba=use_numba)
+    arrays = [np.full(8, 4.0, np.float32) for _ in range(40)]
+    as_tuple, as_list = tuple(arrays), list(arrays)
+    backend.unscale(as_tuple, 2.0)
+    backend.unscale(as_list, 2.0)  # a list of the same arrays: a plan of its own
+    compared: list[int] = []
+    real = operator.is_
+
+    def counted(a: Any, b: Any) -> bool:
+        compared.append(1)
+        return real(a, b)
+
+    monkeypatch.setattr(operator, "is_", counted)
+    backend.unscale(as_tuple, 0.5)
+    assert compared == []  # the cached tuple itself: one identity test
+    backend.unscale(tuple(arrays), 0.5)  # an equal tuple, another object
+    assert len(compared) == 40
+    compared.clear()
+    backend.unscale(as_list, 0.5)  # a list may have changed: every array checked
+    assert len(compared) == 40
+    assert all((a == 8.0).all() for a in arrays)  # 4 / 2 / 2 * 2 * 2 * 2
 
 
 @pytest.mark.parametrize("use_numba", [pytest.param(True, marks=needs_numba), False])

@@ -314,31 +314,87 @@ def _cached_plan_follows_new_values_and_replaced_arrays(use_numba: bool) -> None
     assert not backend._plans
 
 
-@pytest.mark.parametrize("use_numba", [pytest.param(True, marks=needs_numba), False])
-def test_a_tuple_seen_before_is_recognised_without_checking_every_array(
-    use_numba: bool, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    backend = fused.FusedNumpyBackend(use_numba=use_numba)
-    arrays = [np.full(8, 4.0, np.float32) for _ in range(40)]
-    as_tuple, as_list = tuple(arrays), list(arrays)
-    backend.unscale(as_tuple, 2.0)
-    backend.unscale(as_list, 2.0)  # a list of the same arrays: a plan of its own
-    compared: list[int] = []
+@pytest.fixture
+def is_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Counts the per-array identity checks of the plan lookup (``operator.is_``)."""
+    calls: list[int] = []
     real = operator.is_
 
     def counted(a: Any, b: Any) -> bool:
-        compared.append(1)
+        calls.append(1)
         return real(a, b)
 
     monkeypatch.setattr(operator, "is_", counted)
-    backend.unscale(as_tuple, 0.5)
-    assert compared == []  # the cached tuple itself: one identity test
-    backend.unscale(tuple(arrays), 0.5)  # an equal tuple, another object
-    assert len(compared) == 40
-    compared.clear()
-    backend.unscale(as_list, 0.5)  # a list may have changed: every array checked
-    assert len(compared) == 40
-    assert all((a == 8.0).all() for a in arrays)  # 4 / 2 / 2 * 2 * 2 * 2
+    return calls
+
+
+@pytest.mark.parametrize("use_numba", [pytest.param(True, marks=needs_numba), False])
+@pytest.mark.parametrize("kind", [list, tuple])
+def test_a_set_seen_before_is_recognised_without_a_check_per_array(
+    use_numba: bool, kind: type, is_calls: list[int]
+) -> None:
+    backend = fused.FusedNumpyBackend(use_numba=use_numba)
+    arrays = [np.full(8, 4.0, np.float32) for _ in range(40)]
+    first = kind(arrays)
+    backend.unscale(first, 2.0)
+    (plan,) = backend._plans.values()
+    backend.unscale(first, 2.0)  # the same container
+    backend.unscale(kind(arrays), 0.5)  # a new container of the same arrays
+    assert backend._plans[next(iter(backend._plans))] is plan
+    assert is_calls == []  # recognised by one container comparison, not 40 checks
+    assert all((a == 2.0).all() for a in arrays)  # 4 / 2 / 2 * 2
+
+
+@pytest.mark.parametrize("use_numba", [pytest.param(True, marks=needs_numba), False])
+@pytest.mark.parametrize("size", [1, 2, 16])
+@pytest.mark.parametrize("kind", [list, tuple])
+def test_an_equal_but_new_array_is_not_taken_for_the_cached_one(
+    use_numba: bool, size: int, kind: type, is_calls: list[int]
+) -> None:
+    backend = fused.FusedNumpyBackend(use_numba=use_numba)
+    arrays: list[Any] = [np.full(size, 4.0, np.float32) for _ in range(40)]
+    arrays[7] = None
+    backend.unscale(kind(arrays), 2.0)
+    old, new = arrays[20], arrays[20].copy()  # equal values, another array
+    arrays[20] = new
+    arrays[7] = np.full(size, 2.0, np.float32)  # a None child that became an array
+    backend.unscale(kind(arrays), 0.5)
+    assert (old == 2.0).all()  # the replaced array is not touched again
+    assert (new == 4.0).all()
+    assert (arrays[7] == 4.0).all()
+    assert (arrays[0] == 4.0).all()
+    # plans over arrays of one element cannot rely on comparisons: every array checked
+    assert (len(is_calls) > 0) == (size == 1)
+
+
+@pytest.mark.parametrize("use_numba", [pytest.param(True, marks=needs_numba), False])
+def test_an_object_claiming_equality_in_a_cached_set_still_raises(use_numba: bool) -> None:
+    class EqualToAnything:
+        def __eq__(self, other: object) -> bool:
+            return True
+
+        __hash__ = None  # type: ignore[assignment]
+
+    backend = fused.FusedNumpyBackend(use_numba=use_numba)
+    arrays: list[Any] = [np.full(8, 4.0, np.float32) for _ in range(40)]
+    backend.unscale(arrays, 2.0)
+    arrays[5] = EqualToAnything()
+    with pytest.raises(GradientTypeError, match=r"grads\[5\] is a .*EqualToAnything"):
+        backend.unscale(arrays, 2.0)
+    assert all((a == 2.0).all() for i, a in enumerate(arrays) if i != 5)
+
+
+@pytest.mark.parametrize("use_numba", [pytest.param(True, marks=needs_numba), False])
+def test_before_numpy_2_2_every_array_is_checked(
+    use_numba: bool, is_calls: list[int], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(fused, "_EQ_RAISES", False)  # comparisons might only warn
+    backend = fused.FusedNumpyBackend(use_numba=use_numba)
+    arrays = [np.full(8, 4.0, np.float32) for _ in range(40)]
+    backend.unscale(arrays, 2.0)
+    backend.unscale(list(arrays), 2.0)
+    assert len(is_calls) == 40
+    assert all((a == 1.0).all() for a in arrays)
 
 
 @pytest.mark.parametrize("use_numba", [pytest.param(True, marks=needs_numba), False])

@@ -395,7 +395,7 @@ def _numba_detect(k: ModuleType, plan: _Plan) -> bool:
     parallel = plan.nbytes >= _PARALLEL_MIN_BYTES
     for dtype, table in plan.tables.items():
         n = table.addrs.size
-        step = max(1, _DETECT_BATCH_BYTES // _CHUNK_BYTES) if parallel else n
+        step = max(1, _DETECT_BATCH_BYTES // _CHUNK_BYTES) if parallel else max(1, n)
         for lo in range(0, n, step):
             if _detect_items(k, dtype, table, slice(lo, lo + step), parallel and n > 1):
                 return True

@@ -26,7 +26,7 @@ import threading
 import warnings
 import weakref
 from collections import OrderedDict
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from typing import Any
 
 import cupy
@@ -42,7 +42,6 @@ from scaler_core._state import ScalerState, convert_fields, device_update
 from scaler_core._tree import leaves_with_paths, map_pairs
 
 from ._common import (
-    ACCEPTED,
     FLOAT_DTYPES,
     LeafKind,
     check_select_pair,
@@ -616,7 +615,7 @@ def _nccl_or(found: Any, comm: Any, stream: Any) -> Any:
 
 
 def found_reducer(comm: Any, *, stream: Any = None) -> Callable[[Any], Any]:
-    """:func:`reduce_found` over ``comm`` as a one-argument hook, for ``GradScaler(reduce_found=...)``.
+    """:func:`reduce_found` over ``comm`` as a hook for ``GradScaler(reduce_found=...)``.
 
     ``comm`` and ``stream`` are checked now, not at the first step.
 

@@ -253,10 +253,6 @@ class JaxBackend:
         A failing step records ``state.failure`` instead of raising; the first
         host-side look (``check``, ``current_scale``, ``to_dict``) raises it.
         """
-        if not isinstance(state, ScalerState):
-            raise InvalidArgumentError(
-                f"state={state!r}, but it must be a ScalerState; build one with scaler_core.init()"
-            )
         return device_update(jnp, state, _flag(found, "found_non_finite"))
 
 

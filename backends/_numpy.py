@@ -174,6 +174,8 @@ class _Plan:
 #: From NumPy 2.2 on, an array comparison that has no single truth value (more
 #: than one element, none, or shapes that do not broadcast) raises in ``bool()``.
 _EQ_RAISES = np.lib.NumpyVersion(np.__version__) >= "2.2.0"
+#: ... for arrays of at least this many elements (a one-element comparison is a bool).
+_EQ_MIN_SIZE = 2
 
 
 def _same_children(plan: _Plan, children: list[Any] | tuple[Any, ...]) -> bool:
@@ -331,7 +333,7 @@ class NumpyBackend(NumpyReferenceBackend):
         plan = _Plan(leaves, tables=tables)
         plan.children = children if type(children) is tuple else list(children)
         plan.comparable = _EQ_RAISES and all(
-            c is None or (type(c) is np.ndarray and c.size >= 2) for c in children
+            c is None or (type(c) is np.ndarray and c.size >= _EQ_MIN_SIZE) for c in children
         )
         with self._lock:
             self._plans[key] = plan

@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 
 from scaler_core._errors import GradientValueError
-from scaler_core._state import ScalerState, host_update
+from scaler_core._state import ScalerState, host_update, require_state
 from scaler_core._tree import leaves_with_paths, map_pairs
 
 from ._common import HALF_DTYPES, LeafKind, check_select_pair, flag_error, host_flag, inv_scale_of
@@ -108,7 +108,7 @@ class NumpyReferenceBackend:
 
     def update(self, state: ScalerState, found: Any) -> ScalerState:
         """See :meth:`scaler_core.Backend.update`: the host transition."""
-        if not state.on_host:
+        if not require_state(state).on_host:
             state = state.to_host()
         return host_update(state, self.to_bool(found))
 

@@ -19,7 +19,7 @@ import numpy as np
 from mpi4py import MPI
 
 import scaler_core as sc
-from scaler_core.mpi import reduce_found, check_consistent, fingerprint
+from scaler_core.mpi import check_consistent, fingerprint, reduce_found
 
 comm = MPI.COMM_WORLD
 rank, size = comm.Get_rank(), comm.Get_size()

@@ -79,6 +79,7 @@ __all__ = [
     "host_update",
     "init",
     "register_pytree",
+    "require_state",
     "start_state",
 ]
 
@@ -259,6 +260,19 @@ def _make(config: ScalerConfig, values: list[Any]) -> ScalerState:
     return ScalerState(config, **fields)
 
 
+def require_state(state: object) -> ScalerState:
+    """``state`` itself if it is a :class:`ScalerState`.
+
+    Raises:
+        InvalidArgumentError: It is not.
+    """
+    if not isinstance(state, ScalerState):
+        raise InvalidArgumentError(
+            f"state={state!r}, but it must be a ScalerState; build one with scaler_core.init()"
+        )
+    return state
+
+
 def convert_fields(
     state: ScalerState, scale: Callable[[Any], Any], counter: Callable[[Any], Any]
 ) -> ScalerState:
@@ -271,11 +285,10 @@ def convert_fields(
     Raises:
         InvalidArgumentError: ``state`` is not a :class:`ScalerState`.
     """
-    if not isinstance(state, ScalerState):
-        raise InvalidArgumentError(
-            f"state={state!r}, but it must be a ScalerState; build one with scaler_core.init()"
-        )
-    return _make(state.config, [scale(state.scale), *(counter(getattr(state, n)) for n in DATA_FIELDS[1:])])
+    require_state(state)
+    return _make(
+        state.config, [scale(state.scale), *(counter(getattr(state, n)) for n in DATA_FIELDS[1:])]
+    )
 
 
 def init(config: ScalerConfig | None = None) -> ScalerState:
@@ -374,7 +387,7 @@ def host_update(state: ScalerState, found_non_finite: bool) -> ScalerState:
             backoff at a floor configured to raise. ``state`` is untouched.
         SkipLimitError: The step would pass ``max_consecutive_skips``.
     """
-    state.check()
+    require_state(state).check()
     kind = classify(state, found_non_finite)
     if kind.fails:
         raise _failure_error(_FAILURE_OF_KIND[kind], state, recorded=False)
@@ -435,8 +448,11 @@ def device_update(xp: Any, state: ScalerState, found_non_finite: Any) -> ScalerS
 
     Returns:
         A state whose fields are 0-d arrays of ``xp``.
+
+    Raises:
+        InvalidArgumentError: ``state`` is not a :class:`ScalerState`.
     """
-    cfg = state.config
+    cfg = require_state(state).config
     f32_, i32 = xp.float32, xp.int32
     found = xp.asarray(found_non_finite, dtype=bool)
     clean = ~found

@@ -65,6 +65,10 @@ from ._errors import InvalidArgumentError, ReplicaMismatchError, ReplicaTimeoutE
 from ._state import DATA_FIELDS, ScalerState, host_flag
 from ._tree import leaves_with_paths
 
+#: Polls of a bounded wait before it starts sleeping between polls.
+_SPINS = 64
+#: The largest exit code a process can return.
+_MAX_EXIT_CODE = 255
 #: Seconds an aborting rank waits for the launcher to forward its error message.
 _ABORT_GRACE_S = 0.25
 
@@ -200,7 +204,7 @@ def _wait(request: Any, timeout: float) -> bool:
     spins, pause = 0, 0.0
     while not request.Test():
         spins += 1
-        if spins > 64:  # a healthy step completes while spinning; then stop burning a core
+        if spins > _SPINS:  # a healthy step completes while spinning; then stop burning a core
             if time.monotonic() >= deadline:
                 return False
             pause = min(max(2 * pause, 1e-5), 1e-3)
@@ -253,7 +257,9 @@ def _canonical(value: object) -> bytes:
         return b"f" + value.hex().encode()
     if value is None or isinstance(value, (bool, int, str)):
         return type(value).__name__.encode() + b":" + repr(value).encode()
-    raise InvalidArgumentError(f"cannot fingerprint {value!r}")  # pragma: no cover - config fields only
+    raise InvalidArgumentError(
+        f"cannot fingerprint {value!r}"
+    )  # pragma: no cover - config fields only
 
 
 def _host_fields(state: ScalerState) -> dict[str, float | int]:
@@ -502,7 +508,11 @@ def abort_on_error(comm: Any, errorcode: int = 1) -> Iterator[None]:
                 train_step()
     """
     _need_comm(comm, "Abort", "Get_rank", "Get_size")
-    if isinstance(errorcode, bool) or not isinstance(errorcode, int) or not 1 <= errorcode <= 255:
+    if (
+        isinstance(errorcode, bool)
+        or not isinstance(errorcode, int)
+        or not 1 <= errorcode <= _MAX_EXIT_CODE
+    ):
         raise InvalidArgumentError(
             f"errorcode={errorcode!r}, but it must be an int in [1, 255] (a nonzero exit code)"
         )

@@ -181,13 +181,9 @@ def _resolve(name: str, spec: PolicySpec) -> tuple[ScalerConfig, Policy]:
         return preset(spec), update
     if isinstance(spec, ScalerConfig):
         return spec, update
-    if (
-        isinstance(spec, tuple)
-        and len(spec) == 2
-        and isinstance(spec[0], ScalerConfig)
-        and callable(spec[1])
-    ):
-        return spec[0], spec[1]
+    match spec:
+        case (ScalerConfig() as config, policy) if callable(policy):
+            return config, policy
     raise InvalidArgumentError(
         f"policy {name!r}={spec!r}, but it must be a preset name, a ScalerConfig or a "
         f"(ScalerConfig, policy) pair with policy(state, found) -> state"

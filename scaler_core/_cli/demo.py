@@ -78,6 +78,8 @@ MODE_LABELS = {
 ARRAY_MODULES = {"numpy": "numpy", "jax": "jax.numpy", "cupy": "cupy"}
 N_CLASSES = 10
 N_FEATURES = 64
+#: Share of a synthetic class pattern's pixels that are on.
+_PIXEL_ON = 0.3
 FP16_MIN_NORMAL = 2.0**-14
 JSON_SCHEMA = 1
 
@@ -211,7 +213,7 @@ def load_dataset(name: str = "auto", seed: int = 0) -> Dataset:
             x = np.asarray(digits.data, np.float32) / np.float32(16.0)
             return _split("scikit-learn digits", x, np.asarray(digits.target, np.int64), seed)
     rng = np.random.default_rng(12345)
-    prototypes = (rng.random((N_CLASSES, N_FEATURES)) < 0.3).astype(np.float32)
+    prototypes = (rng.random((N_CLASSES, N_FEATURES)) < _PIXEL_ON).astype(np.float32)
     y = rng.integers(0, N_CLASSES, 1797)
     brightness = rng.uniform(0.4, 1.0, (y.size, 1)).astype(np.float32)
     # Noise this strong makes the classes overlap: the task takes real learning
@@ -842,7 +844,9 @@ def run_command(args: argparse.Namespace, stdout: TextIO | None = None) -> int:
 def _check_writable(flag: str, path: str) -> None:
     folder = os.path.dirname(os.path.abspath(path))
     if not os.path.isdir(folder):
-        raise InvalidArgumentError(f"{flag} {path!r}: the folder {folder!r} does not exist; create it first")
+        raise InvalidArgumentError(
+            f"{flag} {path!r}: the folder {folder!r} does not exist; create it first"
+        )
     if os.path.isdir(path):
         raise InvalidArgumentError(f"{flag} {path!r} is a folder; pass a file name")
     if not os.access(folder, os.W_OK):

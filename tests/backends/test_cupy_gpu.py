@@ -31,7 +31,7 @@ if _N_GPUS == 0:
 from scaler_core.backends import _cupy  # noqa: E402 - only where CuPy and a GPU exist
 from scaler_core.backends._numpy_reference import NumpyReferenceBackend  # noqa: E402
 
-from scaler_core.cupy import found_reducer, reduce_found, to_device  # noqa: E402
+from scaler_core import cupy as sc_cupy  # noqa: E402
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 DTYPES = [np.dtype(np.float16), BF16, np.dtype(np.float32), np.dtype(np.float64)]
@@ -48,7 +48,7 @@ def _quiet_numpy_reference() -> Any:
         yield
 
 
-def to_device(host: np.ndarray) -> Any:
+def device_copy(host: np.ndarray) -> Any:
     """A contiguous device copy (through a same-size uint view: works for bfloat16 too)."""
     host = np.array(host, order="C")  # a copy; unlike ascontiguousarray it keeps 0-d arrays 0-d
     return cupy.asarray(host.view(UINT[host.dtype.itemsize])).view(host.dtype)
@@ -117,15 +117,15 @@ def layouts(rng: np.random.Generator, dtype: np.dtype[Any], p: float) -> list[tu
 def device_layout(name: str, host: np.ndarray) -> Any:
     """A device array holding ``host``'s values in the named layout."""
     if name == "transposed":
-        return to_device(host.T).T
+        return device_copy(host.T).T
     if name == "strided":
         big = np.zeros(host.size * 3, host.dtype)
         big[::3] = host
-        return to_device(big)[::3]
+        return device_copy(big)[::3]
     if name == "misaligned":
         big = np.concatenate([np.zeros(1, host.dtype), host])
-        return to_device(big)[1:]
-    return to_device(host)
+        return device_copy(big)[1:]
+    return device_copy(host)
 
 
 def make_case(
@@ -182,7 +182,7 @@ def test_mixed_dtypes_in_one_call(where: str) -> None:
 def test_overflow_made_by_the_unscale_itself_is_found(dtype: Any) -> None:
     finite = {"float16": 65504.0, "bfloat16": 1e38, "float32": 1e33, "float64": 1e303}
     big = np.array([finite[dtype.name], 0.0], dtype)
-    g = to_device(big)
+    g = device_copy(big)
     assert not bool(CP.find_non_finite([g]).get())
     _, found = CP.unscale([g], 2.0**-20)
     assert bool(found.get())
@@ -214,7 +214,7 @@ def test_two_thousand_small_arrays_reuse_one_plan_and_table() -> None:
     rng = np.random.default_rng(3)
     host = [rng.standard_normal(1024 + (i % 3)).astype(np.float32) for i in range(2000)]
     host[1999][17] = np.nan
-    dev = [to_device(h) for h in host]
+    dev = [device_copy(h) for h in host]
     _, found = CP.unscale(dev, 4.0)
     _, want = NP.unscale(host, 4.0)
     assert bool(found.get())
@@ -237,7 +237,7 @@ def test_same_array_twice_is_unscaled_once() -> None:
 
 
 def test_device_scale_gives_the_host_scale_result() -> None:
-    state = to_device(sc.init(sc.ScalerConfig(init_scale=3.0)))
+    state = sc_cupy.to_device(sc.init(sc.ScalerConfig(init_scale=3.0)))
     a, host = make_case(5, DTYPES, 0.001)
     b, _ = make_case(5, DTYPES, 0.001)
     _, fa = CP.unscale(a, state.scale)
@@ -259,7 +259,7 @@ def test_rejected_call_modifies_nothing() -> None:
 
 # ------------------------------------------------------- the rest of the API
 def test_select_any_and_scale_loss() -> None:
-    a = to_device(np.array([np.nan, -0.0, 1.5], np.float32))
+    a = device_copy(np.array([np.nan, -0.0, 1.5], np.float32))
     b = cupy.zeros(3, np.float32)
     t, f = cupy.asarray(True), cupy.asarray(False)
     out = CP.select(t, {"p": [a, None]}, {"p": [b, None]})
@@ -270,12 +270,12 @@ def test_select_any_and_scale_loss() -> None:
     assert bool(CP.any(f, t, False).get()) is True
     assert bool(CP.any().get()) is False
     for dtype in DTYPES:
-        loss = to_device(np.array(1.5, dtype))
+        loss = device_copy(np.array(1.5, dtype))
         got = CP.scale_loss(loss, 1024.0)
         want = NP.scale_loss(np.array(1.5, dtype), 1024.0)
         assert got.dtype == np.asarray(want).dtype
         assert float(got.get()) == float(want)
-    state = to_device(sc.init())
+    state = sc_cupy.to_device(sc.init())
     assert float(CP.scale_loss(cupy.asarray(2.0, np.float32), state.scale).get()) == 131072.0
 
 
@@ -286,7 +286,7 @@ def test_to_bool_is_the_one_read() -> None:
 
 def test_collapse_is_recorded_on_device_and_raised_at_the_first_host_look() -> None:
     cfg = sc.ScalerConfig(init_scale=2.0**-125, backoff_factor=0.5)
-    state = to_device(sc.init(cfg))
+    state = sc_cupy.to_device(sc.init(cfg))
     yes = cupy.asarray(True)
     state = sc.update(state, yes)  # 2**-126: still normal
     state = sc.update(state, yes)  # would be subnormal: refused, recorded
@@ -302,7 +302,7 @@ def test_collapse_is_recorded_on_device_and_raised_at_the_first_host_look() -> N
 @given(cfg=configs(), flags=flag_sequences(max_size=40))
 def test_device_transition_equals_host_transition(cfg: sc.ScalerConfig, flags: list[bool]) -> None:
     host = sc.init(cfg)
-    dev = to_device(host)
+    dev = sc_cupy.to_device(host)
     failed: type[Exception] | None = None
     for flag in flags:
         dev = sc.update(dev, cupy.asarray(flag))
@@ -324,14 +324,14 @@ def test_device_transition_equals_host_transition(cfg: sc.ScalerConfig, flags: l
 
 def test_grad_scaler_with_a_device_state_matches_numpy() -> None:
     cfg = sc.ScalerConfig(init_scale=1024.0, growth_interval=2)
-    gpu = sc.GradScaler(state=to_device(sc.init(cfg)))
+    gpu = sc.GradScaler(state=sc_cupy.to_device(sc.init(cfg)))
     cpu = sc.GradScaler(cfg)
     rng = np.random.default_rng(0)
     for step in range(6):
         h = [rng.standard_normal(100).astype(np.float16), rng.standard_normal(7).astype("f4")]
         if step == 2:
             h[0][3] = np.inf
-        d = [to_device(x) for x in h]
+        d = [device_copy(x) for x in h]
         gpu.unscale(d)
         cpu.unscale(h)
         assert gpu.should_skip_step() == cpu.should_skip_step() == (step == 2)
@@ -352,10 +352,10 @@ def _forbid(*_args: Any, **_kwargs: Any) -> None:
 
 def test_the_step_performs_no_host_sync(monkeypatch: pytest.MonkeyPatch) -> None:
     cfg = sc.ScalerConfig(init_scale=256.0, growth_interval=3)
-    state = to_device(sc.init(cfg))
+    state = sc_cupy.to_device(sc.init(cfg))
     base = cupy.full(9, 2.0, np.float64)
     grads = {
-        "w": [to_device(np.full(5000, 256.0, np.float16)), cupy.full((64, 64), 512.0, "f4")],
+        "w": [device_copy(np.full(5000, 256.0, np.float16)), cupy.full((64, 64), 512.0, "f4")],
         "b": base[::2],  # non-contiguous: unscaled through a contiguous copy
     }
     params = [cupy.ones(10, np.float32)]
@@ -411,9 +411,9 @@ def test_cuda_graph_capture_and_replay_of_unscale_detect_update() -> None:
         if k in nan_steps:
             hs[k % len(hs)].reshape(-1)[5] = np.nan
         sources_host.append(hs)
-    sources = [[to_device(h) for h in hs] for hs in sources_host]
+    sources = [[device_copy(h) for h in hs] for hs in sources_host]
     grads = [cupy.zeros(s, dt) for s, dt in shapes]
-    state = to_device(sc.init(cfg))
+    state = sc_cupy.to_device(sc.init(cfg))
     stream = cupy.cuda.Stream(non_blocking=True)
     cupy.cuda.Device().synchronize()  # the setup ran on the null stream
 
@@ -466,7 +466,7 @@ def test_nccl_found_reducer_on_one_rank() -> None:
     if not getattr(nccl, "available", False):
         pytest.skip("NCCL is not installed for CuPy (pip install nvidia-nccl-cu13)")
     comm = nccl.NcclCommunicator(1, nccl.get_unique_id(), 0)
-    reduce_found = found_reducer(comm)
+    reduce_found = sc_cupy.found_reducer(comm)
     for flag in (False, True):
         out = reduce_found(cupy.asarray(flag))
         assert out.shape == ()
@@ -506,7 +506,7 @@ def test_matches_pytorch_kernel_where_semantics_agree(dtype: Any) -> None:
     found_t = torch.zeros(1, device="cuda")
     inv = torch.full((1,), float(np.float32(1.0 / 1024.0)), device="cuda")
     torch._amp_foreach_non_finite_check_and_unscale_([theirs], found_t, inv)
-    ours = to_device(host)
+    ours = device_copy(host)
     _, found = CP.unscale([ours], 1024.0)
     assert bool(found.get()) == bool(found_t.item())
     tsigned = {2: torch.int16, 4: torch.int32, 8: torch.int64}[dtype.itemsize]

@@ -23,10 +23,10 @@ import scaler_core as sc
 from scaler_core.mpi import (
     _wait,  # the polling loop behind timeout=
     abort_on_error,
-    reduce_found,
     check_consistent,
     fingerprint,
     found_reducer,
+    reduce_found,
 )
 
 

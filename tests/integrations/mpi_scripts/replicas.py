@@ -23,10 +23,10 @@ from mpi4py import MPI
 import scaler_core as sc
 from scaler_core.mpi import (
     abort_on_error,
-    reduce_found,
     check_consistent,
     fingerprint,
     found_reducer,
+    reduce_found,
 )
 
 parser = argparse.ArgumentParser()

@@ -13,7 +13,7 @@ import numpy as np
 from mpi4py import MPI
 
 import scaler_core as sc
-from scaler_core.mpi import reduce_found, check_consistent, found_reducer
+from scaler_core.mpi import check_consistent, found_reducer, reduce_found
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--out", required=True)

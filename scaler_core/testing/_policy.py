@@ -1,6 +1,6 @@
 """Hypothesis strategies and a ready invariant suite for property-testing scale policies.
 
-Needs the ``test`` extra (hypothesis). A *policy* is any pure transition
+Needs the ``test`` extra (hypothesis); :mod:`scaler_core.testing` imports it from here. A *policy* is any pure transition
 ``policy(state, found_non_finite) -> state`` over :class:`ScalerState`; the
 built-in one is :func:`scaler_core.update`. Check your own in your own test
 file (from a plain test function, not inside another ``@given``)::
@@ -30,19 +30,22 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
+from .._errors import MissingDependencyError
+
 try:
     from hypothesis import HealthCheck, given, settings
     from hypothesis import strategies as st
     from hypothesis.extra import numpy as hnp
 except ImportError as exc:  # pragma: no cover - exercised only without hypothesis
-    raise ImportError(
-        "scaler_core.testing needs hypothesis: pip install 'scaler-core[test]'"
+    raise MissingDependencyError(
+        "scaler_core.testing's strategies and check_policy need hypothesis: "
+        "pip install 'scaler-core[test]'"
     ) from exc
 
-from ._config import ScalerConfig
-from ._errors import BackendUnavailableError, ScaleCollapseError
-from ._f32 import FLT_MAX, FLT_MIN, INT32_MAX, f32
-from ._state import DATA_FIELDS, ScalerState, init
+from .._config import ScalerConfig
+from .._errors import BackendUnavailableError, PolicyViolationError, ScaleCollapseError
+from .._f32 import FLT_MAX, FLT_MIN, INT32_MAX, f32
+from .._state import DATA_FIELDS, ScalerState, init
 
 __all__ = [
     "Policy",
@@ -63,10 +66,6 @@ Policy = Callable[[ScalerState, Any], ScalerState]
 #: Factors every backend multiplies exactly (float32 values).
 _GROWTH = [1.5, 2.0, 3.0, 4.0, 1.0009765625, 65536.0]
 _BACKOFF = [0.5, 0.25, 0.75, 0.125, 0.9990234375, 2.0**-20]
-
-
-class PolicyViolationError(AssertionError):
-    """A policy broke a property of :func:`check_policy` or :func:`check_step`."""
 
 
 def scales(min_value: float = FLT_MIN, max_value: float = FLT_MAX) -> st.SearchStrategy[float]:
@@ -248,7 +247,7 @@ def _cast(values: Any, dtype: Any, backend: str) -> Any:
 
 
 def check_invariants(state: ScalerState) -> None:
-    """Raise ``AssertionError`` naming the broken invariant of a host state.
+    """Raise :class:`PolicyViolationError` naming the broken invariant of a host state.
 
     Checks: the scale is a positive, finite, normal float32 within the bounds;
     the trackers are in range; the counters add up.
@@ -258,7 +257,7 @@ def check_invariants(state: ScalerState) -> None:
 
     def need(ok: bool, what: str) -> None:
         if not ok:
-            raise AssertionError(f"invariant broken: {what} (state={state!r})")
+            raise PolicyViolationError(f"invariant broken: {what} (state={state!r})")
 
     need(int(state.failure) == 0, "failure == 0 on a host state")
     need(
@@ -360,7 +359,7 @@ def check_step(policy: Policy, state: ScalerState, found: bool) -> ScalerState |
         )
     try:
         check_invariants(new)
-    except AssertionError as exc:
+    except PolicyViolationError as exc:
         raise fail("bounds", f"{exc}; a policy must refuse the step instead") from None
     return new
 

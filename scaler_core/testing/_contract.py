@@ -18,7 +18,7 @@ import dataclasses
 import importlib
 from collections.abc import Callable, Iterable, Mapping
 from types import MappingProxyType
-from typing import Any
+from typing import Any, NamedTuple
 
 import ml_dtypes
 import numpy as np
@@ -74,10 +74,6 @@ class BackendSubject:
         return str(self.backend.name)
 
 
-def _fail(check: str, subject: BackendSubject, what: str) -> BackendContractError:
-    return BackendContractError(f"check {check!r} failed for backend {subject.name!r}: {what}")
-
-
 # ---------------------------------------------------------------- references
 def _inv(scale: float) -> float:
     return f32(1.0 / f32(scale))
@@ -122,262 +118,249 @@ def _dtype_max(dtype: np.dtype[Any]) -> float:
 
 
 # ---------------------------------------------------------------- helpers
-def _host(subject: BackendSubject, x: Any) -> np.ndarray:
-    """A host copy (a NumPy backend's arrays change in place afterwards)."""
-    return np.array(subject.to_numpy(x))
+class _Check:
+    """One check of one backend: how it reads arrays and flags, and how it fails."""
 
+    def __init__(self, name: str, subject: BackendSubject) -> None:
+        self.name, self.subject, self.backend = name, subject, subject.backend
 
-def _flag(subject: BackendSubject, check: str, flag: Any, what: str) -> bool:
-    try:
-        value = subject.backend.to_bool(flag)
-    except Exception as exc:
-        raise _fail(check, subject, f"to_bool() refused the flag {what} returned: {exc!r}") from exc
-    if type(value) is not bool:
-        raise _fail(check, subject, f"to_bool() returned {value!r}, not a bool")
-    return value
+    def fail(self, what: str) -> BackendContractError:
+        return BackendContractError(
+            f"check {self.name!r} failed for backend {self.subject.name!r}: {what}"
+        )
 
+    def host(self, x: Any) -> np.ndarray:
+        """A host copy (a NumPy backend's arrays change in place afterwards)."""
+        return np.array(self.subject.to_numpy(x))
 
-def _raises(
-    check: str,
-    subject: BackendSubject,
-    error: type[Exception],
-    call: Callable[[], Any],
-    what: str,
-    *,
-    names: str | None = None,
-) -> None:
-    """``call()`` must raise ``error`` (and its message must contain ``names``)."""
-    try:
-        call()
-    except error as exc:
-        if names is not None and names not in str(exc):
-            raise _fail(
-                check, subject, f"{what} raised {type(exc).__name__} without naming {names!r}: {exc}"
+    def array(self, host: np.ndarray) -> Any:
+        return self.subject.asarray(host)
+
+    def flag(self, flag: Any, what: str) -> bool:
+        try:
+            value = self.backend.to_bool(flag)
+        except Exception as exc:
+            raise self.fail(f"to_bool() refused the flag {what} returned: {exc!r}") from exc
+        if type(value) is not bool:
+            raise self.fail(f"to_bool() returned {value!r}, not a bool")
+        return value
+
+    def raises(
+        self, error: type[Exception], call: Callable[[], Any], what: str, names: str = ""
+    ) -> None:
+        """``call()`` must raise ``error``, with ``names`` in its message."""
+        try:
+            call()
+        except error as exc:
+            if names not in str(exc):
+                raise self.fail(
+                    f"{what} raised {type(exc).__name__} without naming {names!r}"
+                ) from exc
+            return
+        except Exception as exc:
+            raise self.fail(
+                f"{what} raised {type(exc).__name__}({exc}), not {error.__name__}"
             ) from exc
-        return
-    except Exception as exc:
-        raise _fail(
-            check, subject, f"{what} raised {type(exc).__name__}({exc}), not {error.__name__}"
-        ) from exc
-    raise _fail(check, subject, f"{what} did not raise {error.__name__}")
+        raise self.fail(f"{what} did not raise {error.__name__}")
 
 
 # ---------------------------------------------------------------- the checks
-def _check_protocol(subject: BackendSubject) -> None:
+_LOSS, _LOSS_SCALE = 0.5, 1024.0
+_BAD_SCALES = (0.0, -1.0, float("inf"), float("nan"), 1e-40, 1e39, True, "2", None)
+_BAD_FLAGS = (1, 0.0, None, "yes", np.array([True]))
+
+
+def _check_protocol(c: _Check) -> None:
     """The object has every method of the protocol and a non-empty ``name``."""
-    if not isinstance(subject.backend, Backend):
-        raise _fail("protocol", subject, "it lacks a method of the Backend protocol")
-    if not isinstance(subject.backend.name, str) or not subject.backend.name:
-        raise _fail("protocol", subject, f"name={subject.backend.name!r} is not a non-empty str")
+    if not isinstance(c.backend, Backend):
+        raise c.fail("it lacks a method of the Backend protocol")
+    if not isinstance(c.backend.name, str) or not c.backend.name:
+        raise c.fail(f"name={c.backend.name!r} is not a non-empty str")
 
 
-def _check_unscale_values(subject: BackendSubject) -> None:
+def _check_unscale_values(c: _Check) -> None:
     """Every dtype and scale: the rules' bits, the flag of the unscaled values, in place
     or functional but never half of each, with a host or a device (0-d array) scale."""
-    check = "unscale_values"
-    for i, dtype in enumerate(subject.dtypes):
+    for i, dtype in enumerate(c.subject.dtypes):
         for j, scale in enumerate(_SCALES[dtype]):
             host = _values(dtype, scale, 37, seed=100 * i + j)
             if scale < 1.0:  # the unscale itself overflows these
                 host[5] = host.dtype.type(_dtype_max(dtype) / 2)
-            for scale_arg in (scale, subject.asarray(np.array(scale, np.float32))):
-                _one_unscale(check, subject, [host], scale, scale_arg)
+            for scale_arg in (scale, c.array(np.array(scale, np.float32))):
+                _one_unscale(c, host, scale, scale_arg)
 
 
-def _one_unscale(
-    check: str,
-    subject: BackendSubject,
-    hosts: list[np.ndarray],
-    scale: float,
-    scale_arg: Any,
-    *,
-    arrays: list[Any] | None = None,
-) -> None:
-    grads = [subject.asarray(h) for h in hosts] if arrays is None else arrays
-    before = [_host(subject, g) for g in grads]
+def _one_unscale(c: _Check, host: np.ndarray, scale: float, scale_arg: Any) -> None:
+    grads = [c.array(host)]
+    before = [c.host(g) for g in grads]
     want = [_unscaled(b, scale) for b in before]
-    tree = {"grads": grads}
-    case = f"{[str(b.dtype) for b in before]} at scale={scale!r} ({type(scale_arg).__name__})"
-    out, found = subject.backend.unscale(tree, scale_arg)
-    got = [_host(subject, g) for g in out["grads"]]
+    case = f"{host.dtype} at scale={scale!r} ({type(scale_arg).__name__})"
+    out, found = c.backend.unscale({"grads": grads}, scale_arg)
+    got = [c.host(g) for g in out["grads"]]
     for g, w in zip(got, want, strict=True):
         if not _same_bits(g, w):
-            raise _fail(check, subject, f"unscale of {case} gave {g!r}, the rules give {w!r}")
-    after = [_host(subject, g) for g in grads]
+            raise c.fail(f"unscale of {case} gave {g!r}, the rules give {w!r}")
+    after = [c.host(g) for g in grads]
     in_place = all(_same_bits(a, w) for a, w in zip(after, want, strict=True))
     untouched = all(_same_bits(a, b) for a, b in zip(after, before, strict=True))
     if not (in_place or untouched):
-        raise _fail(check, subject, f"unscale of {case} changed its inputs, but not to the result")
+        raise c.fail(f"unscale of {case} changed its inputs, but not to the result")
     expected = _non_finite(*want)
-    if _flag(subject, check, found, "unscale()") is not expected:
-        raise _fail(check, subject, f"unscale of {case} flagged {not expected}, not {expected}")
+    if c.flag(found, "unscale()") is not expected:
+        raise c.fail(f"unscale of {case} flagged {not expected}, not {expected}")
 
 
-def _check_unscale_trees(subject: BackendSubject) -> None:
-    """Nested dicts, lists and tuples with None leaves; 0-d, empty and strided arrays;
-    NaN, +inf and -inf anywhere; one flag for the whole tree; an empty tree is clean."""
-    check = "unscale_trees"
-    dtype = subject.dtypes[-1]
+class _Pair(NamedTuple):
+    c: Any
+    d: Any
+
+
+def _check_unscale_trees(c: _Check) -> None:
+    """Nested dicts, lists, tuples and NamedTuples with None leaves; 0-d, empty and
+    strided arrays; NaN, +inf or -inf; one flag for the whole tree; empty trees are clean."""
+    dtype = c.subject.dtypes[-1]
     scale = 2.0**16 if dtype != np.dtype(np.float16) else 2.0**8
     for k, special in enumerate((None, np.nan, np.inf, -np.inf)):
-        plain = _values(dtype, scale, 12, seed=7 + k)
-        zero_d = np.array(_values(dtype, scale, 1, seed=11)[0])
-        empty = np.zeros((0, 3), dtype)
         wide = _values(dtype, scale, 24, seed=13).reshape(4, 6)
         if special is not None:
             wide[2, 4] = dtype.type(special)  # a column the strided view keeps
-        arrays = [subject.asarray(plain), subject.asarray(zero_d), subject.asarray(empty)]
-        strided = subject.asarray(wide)[:, ::2]
-        tree = {"a": [arrays[0], None, (arrays[1],)], "b": {"c": arrays[2], "d": strided}}
-        before = [_host(subject, x) for x in (*arrays, strided)]
-        out, found = subject.backend.unscale(tree, scale)
-        got = [
-            _host(subject, x)
-            for x in (out["a"][0], out["a"][2][0], out["b"]["c"], out["b"]["d"])
+        leaves = [
+            c.array(_values(dtype, scale, 12, seed=7 + k)),
+            c.array(np.array(_values(dtype, scale, 3, seed=11)[2])),  # 0-d
+            c.array(np.zeros((0, 3), dtype)),
+            c.array(wide)[:, ::2],
         ]
-        want = [_unscaled(b, scale) for b in before]
-        if out["a"][1] is not None or not isinstance(out["a"][2], tuple):
-            raise _fail(check, subject, "unscale did not keep the tree's structure")
+        tree = {"a": [leaves[0], None, (leaves[1],)], "b": _Pair(leaves[2], leaves[3])}
+        want = [_unscaled(c.host(x), scale) for x in leaves]
+        out, found = c.backend.unscale(tree, scale)
+        if out["a"][1] is not None or type(out["a"][2]) is not tuple or type(out["b"]) is not _Pair:
+            raise c.fail("unscale did not keep the tree's structure")
+        got = [c.host(x) for x in (out["a"][0], out["a"][2][0], out["b"].c, out["b"].d)]
         for g, w in zip(got, want, strict=True):
             if not _same_bits(g, w):
-                raise _fail(check, subject, f"a leaf of a nested tree gave {g!r}, not {w!r}")
-        if _flag(subject, check, found, "unscale()") is not (special is not None):
-            raise _fail(check, subject, f"a tree holding {special!r} flagged wrongly")
+                raise c.fail(f"a leaf of a nested tree gave {g!r}, not {w!r}")
+        if c.flag(found, "unscale()") is not (special is not None):
+            raise c.fail(f"a tree holding {special!r} flagged wrongly")
     for empty_tree in ({}, [], [None], {"a": [None, {}]}):
-        _, found = subject.backend.unscale(empty_tree, 2.0)
-        if _flag(subject, check, found, "unscale()"):
-            raise _fail(check, subject, f"the empty tree {empty_tree!r} was flagged")
+        _, found = c.backend.unscale(empty_tree, 2.0)
+        if c.flag(found, "unscale()"):
+            raise c.fail(f"the empty tree {empty_tree!r} was flagged")
 
 
-def _check_find_non_finite(subject: BackendSubject) -> None:
+def _check_find_non_finite(c: _Check) -> None:
     """Detection alone: the right flag for every dtype and special value, nothing modified."""
-    check = "find_non_finite"
-    for i, dtype in enumerate(subject.dtypes):
+    for i, dtype in enumerate(c.subject.dtypes):
         for special in (None, np.nan, np.inf, -np.inf):
             hosts = [_values(dtype, 1.0, 37, seed=200 + i), _values(dtype, 1.0, 5, seed=300)]
             if special is not None:
                 hosts[0][17] = dtype.type(special)
-            grads = [subject.asarray(h) for h in hosts]
-            found = subject.backend.find_non_finite({"g": grads, "none": None})
-            if _flag(subject, check, found, "find_non_finite()") is not (special is not None):
-                raise _fail(check, subject, f"{dtype} holding {special!r} flagged wrongly")
-            for g, h in zip(grads, hosts, strict=True):
-                if not _same_bits(_host(subject, g), h):
-                    raise _fail(check, subject, "find_non_finite modified a gradient")
-    if _flag(subject, check, subject.backend.find_non_finite([]), "find_non_finite()"):
-        raise _fail(check, subject, "the empty tree was flagged")
+            grads = [c.array(h) for h in hosts]
+            found = c.backend.find_non_finite({"g": grads, "none": None})
+            if c.flag(found, "find_non_finite()") is not (special is not None):
+                raise c.fail(f"{dtype} holding {special!r} flagged wrongly")
+            if not all(_same_bits(c.host(g), h) for g, h in zip(grads, hosts, strict=True)):
+                raise c.fail("find_non_finite modified a gradient")
+    if c.flag(c.backend.find_non_finite([]), "find_non_finite()"):
+        raise c.fail("the empty tree was flagged")
 
 
-def _bad_leaves(subject: BackendSubject) -> dict[str, Any]:
-    return {
-        "int32 array": subject.asarray(np.ones(3, np.int32)),
-        "bool array": subject.asarray(np.ones(3, np.bool_)),
-        "complex64 array": subject.asarray(np.ones(3, np.complex64)),
+def _check_rejects_bad_leaves(c: _Check) -> None:
+    """A bad leaf raises GradientTypeError naming its path, before any leaf is touched."""
+    good_host = _values(c.subject.dtypes[-1], 4.0, 8, seed=400)
+    bad_leaves = {
+        "int32 array": c.array(np.ones(3, np.int32)),
+        "bool array": c.array(np.ones(3, np.bool_)),
+        "complex64 array": c.array(np.ones(3, np.complex64)),
         "Python float": 3.0,
         "str": "gradient",
     }
+    for what, bad in bad_leaves.items():
+        good = c.array(good_host)
+        c.raises(
+            GradientTypeError,
+            lambda g=good, b=bad: c.backend.unscale([g, b], 4.0),
+            f"unscale of a {what}",
+            names="grads[1]",
+        )
+        c.raises(
+            GradientTypeError,
+            lambda g=good, b=bad: c.backend.find_non_finite([g, b]),
+            f"find_non_finite of a {what}",
+            names="grads[1]",
+        )
+        if not _same_bits(c.host(good), good_host):
+            raise c.fail(f"unscale modified a good leaf before refusing a {what}")
 
 
-def _check_rejects_bad_leaves(subject: BackendSubject) -> None:
-    """A bad leaf raises GradientTypeError naming its path, before any leaf is touched."""
-    check = "rejects_bad_leaves"
-    good_host = _values(subject.dtypes[-1], 4.0, 8, seed=400)
-    for what, bad in _bad_leaves(subject).items():
-        good = subject.asarray(good_host)
-        for name, call in (
-            ("unscale", lambda g=good, b=bad: subject.backend.unscale([g, b], 4.0)),
-            ("find_non_finite", lambda g=good, b=bad: subject.backend.find_non_finite([g, b])),
-        ):
-            _raises(
-                check, subject, GradientTypeError, call, f"{name} of a {what}", names="grads[1]"
-            )
-        if not _same_bits(_host(subject, good), good_host):
-            raise _fail(check, subject, f"unscale modified a good leaf before refusing a {what}")
-
-
-def _check_rejects_bad_scales(subject: BackendSubject) -> None:
-    """0, negative, inf, NaN, subnormal, too large, bool and non-numbers: GradientValueError."""
-    check = "rejects_bad_scales"
-    host = _values(subject.dtypes[-1], 1.0, 8, seed=500)
-    for scale in (0.0, -1.0, float("inf"), float("nan"), 1e-40, 1e39, True, "2", None):
-        grads = [subject.asarray(host)]
-        _raises(
-            check,
-            subject,
+def _check_rejects_bad_scales(c: _Check) -> None:
+    """0, negative, inf, NaN, subnormal, too large, bool and non-numbers: GradientValueError
+    from unscale (before any gradient is touched) and from scale_loss."""
+    host = _values(c.subject.dtypes[-1], 1.0, 8, seed=500)
+    loss = c.array(np.array(_LOSS, np.float32))
+    for scale in _BAD_SCALES:
+        grads = [c.array(host)]
+        c.raises(
             GradientValueError,
-            lambda g=grads, s=scale: subject.backend.unscale(g, s),
+            lambda g=grads, s=scale: c.backend.unscale(g, s),
             f"unscale at scale={scale!r}",
         )
-        if not _same_bits(_host(subject, grads[0]), host):
-            raise _fail(check, subject, f"unscale modified a gradient before refusing {scale!r}")
+        if not _same_bits(c.host(grads[0]), host):
+            raise c.fail(f"unscale modified a gradient before refusing scale={scale!r}")
+        c.raises(
+            GradientValueError,
+            lambda s=scale: c.backend.scale_loss(loss, s),
+            f"scale_loss at scale={scale!r}",
+        )
 
 
-def _check_scale_loss(subject: BackendSubject) -> None:
+def _check_scale_loss(c: _Check) -> None:
     """``loss * f32(scale)``, float32 for float16 and float32 losses."""
-    check = "scale_loss"
     for dtype in (np.float16, np.float32):
-        loss = subject.asarray(np.array(0.5, dtype))
-        out = _host(subject, subject.backend.scale_loss(loss, 1024.0))
-        if out.dtype != np.float32 or float(out) != 512.0:
-            raise _fail(check, subject, f"scale_loss(0.5 as {dtype.__name__}, 1024) gave {out!r}")
+        out = c.host(c.backend.scale_loss(c.array(np.array(_LOSS, dtype)), _LOSS_SCALE))
+        if out.dtype != np.float32 or float(out) != _LOSS * _LOSS_SCALE:
+            raise c.fail(f"scale_loss({_LOSS} as {dtype.__name__}, {_LOSS_SCALE}) gave {out!r}")
 
 
-def _check_select(subject: BackendSubject) -> None:
+def _check_select(c: _Check) -> None:
     """The chosen tree's values leaf by leaf; mismatched trees raise InvalidArgumentError."""
-    check = "select"
-    f32_, f16 = np.float32, np.float16
-    old_h = {"w": np.array([1.0, -0.0, 3.0], f32_), "b": [np.array(2.0, f16)], "n": None}
-    new_h = {"w": np.array([4.0, 5.0, 6.0], f32_), "b": [np.array(7.0, f16)], "n": None}
+    old_h = {"w": np.array([1.0, -0.0, 3.0], np.float32), "b": [np.array(2.0, np.float16)]}
+    new_h = {"w": np.array([4.0, 5.0, 6.0], np.float32), "b": [np.array(7.0, np.float16)]}
 
     def tree(h: Mapping[str, Any]) -> dict[str, Any]:
-        return {"w": subject.asarray(h["w"]), "b": [subject.asarray(h["b"][0])], "n": None}
+        return {"w": c.array(h["w"]), "b": [c.array(h["b"][0])], "n": None}
 
-    inf = subject.asarray(np.array([np.inf], f32_))
-    dirty = subject.backend.find_non_finite([inf])
-    clean = subject.backend.find_non_finite([subject.asarray(np.ones(1, f32_))])
+    dirty = c.backend.find_non_finite([c.array(np.array([np.inf], np.float32))])
+    clean = c.backend.find_non_finite([c.array(np.ones(1, np.float32))])
     for flag, skip in ((dirty, True), (clean, False), (True, True), (False, False)):
-        out = subject.backend.select(flag, tree(old_h), tree(new_h))
+        out = c.backend.select(flag, tree(old_h), tree(new_h))
         want = old_h if skip else new_h
-        if out["n"] is not None or not _same_bits(_host(subject, out["w"]), want["w"]):
-            raise _fail(check, subject, f"select with a {'true' if skip else 'false'} flag")
-        if not _same_bits(_host(subject, out["b"][0]), want["b"][0]):
-            raise _fail(check, subject, "select changed a float16 leaf")
+        if out["n"] is not None or not _same_bits(c.host(out["w"]), want["w"]):
+            raise c.fail(f"select with a {'true' if skip else 'false'} flag chose wrongly")
+        if not _same_bits(c.host(out["b"][0]), want["b"][0]):
+            raise c.fail("select changed a float16 leaf")
     old = tree(old_h)
+    other_dtype = np.float64 if np.dtype(np.float64) in c.subject.dtypes else np.float16
     mismatched = {
-        "a missing key": ({"w": old["w"], "b": old["b"]}, "structure"),
-        "a longer list": ({**old, "b": [*old["b"], old["b"][0]]}, "structure"),
-        "a leaf for None": ({**old, "n": old["w"]}, "structure"),
-        "another dtype": ({**old, "w": subject.asarray(new_h["w"].astype(np.float64))}, "dtype"),
-        "another shape": ({**old, "w": subject.asarray(np.ones(4, f32_))}, "shape"),
+        "a missing key": {"w": old["w"], "b": old["b"]},
+        "a longer list": {**old, "b": [*old["b"], old["b"][0]]},
+        "a leaf for None": {**old, "n": old["w"]},
+        "another dtype": {**old, "w": c.array(new_h["w"].astype(other_dtype))},
+        "another shape": {**old, "w": c.array(np.ones(4, np.float32))},
     }
-    for what, (other, _) in mismatched.items():
-        if what == "another dtype" and np.dtype(np.float64) not in subject.dtypes:
-            other = {**old, "w": subject.asarray(new_h["w"].astype(np.float16))}
-        _raises(
-            check,
-            subject,
+    for what, other in mismatched.items():
+        c.raises(
             InvalidArgumentError,
-            lambda o=other: subject.backend.select(dirty, old, o),
+            lambda o=other: c.backend.select(dirty, old, o),
             f"select of trees with {what}",
         )
-    _raises(
-        check,
-        subject,
-        GradientTypeError,
-        lambda: subject.backend.select(1, old, tree(new_h)),
-        "select with flag 1",
-    )
+    c.raises(GradientTypeError, lambda: c.backend.select(1, old, tree(new_h)), "select(1, ...)")
 
 
-_BAD_FLAGS = (1, 0.0, None, "yes", np.array([True]))
-
-
-def _check_flags(subject: BackendSubject) -> None:
-    """``any`` ORs flags (none: false), ``to_bool`` reads them; non-flags raise GradientTypeError."""
-    check = "flags"
-    backend = subject.backend
-    dirty = backend.find_non_finite([subject.asarray(np.array([np.nan], np.float32))])
-    clean = backend.find_non_finite([subject.asarray(np.ones(1, np.float32))])
+def _check_flags(c: _Check) -> None:
+    """``any`` ORs flags (none: false), ``to_bool`` reads them; others: GradientTypeError."""
+    backend = c.backend
+    dirty = backend.find_non_finite([c.array(np.array([np.nan], np.float32))])
+    clean = backend.find_non_finite([c.array(np.ones(1, np.float32))])
     cases = {
         "any()": (backend.any(), False),
         "any(clean, dirty)": (backend.any(clean, dirty), True),
@@ -387,51 +370,40 @@ def _check_flags(subject: BackendSubject) -> None:
         "True": (True, True),
     }
     for what, (flag, want) in cases.items():
-        if _flag(subject, check, flag, what) is not want:
-            raise _fail(check, subject, f"{what} read as {not want}")
+        if c.flag(flag, what) is not want:
+            raise c.fail(f"{what} read as {not want}")
     for bad in _BAD_FLAGS:
-        _raises(check, subject, GradientTypeError, lambda b=bad: backend.to_bool(b), f"to_bool({bad!r})")
-        _raises(check, subject, GradientTypeError, lambda b=bad: backend.any(clean, b), f"any({bad!r})")
+        c.raises(GradientTypeError, lambda b=bad: backend.to_bool(b), f"to_bool({bad!r})")
+        c.raises(GradientTypeError, lambda b=bad: backend.any(clean, b), f"any(..., {bad!r})")
 
 
-def _check_update(subject: BackendSubject) -> None:
+def _check_update(c: _Check) -> None:
     """One transition equal to the host rule; a refused step raises or is recorded."""
-    check = "update"
-    backend = subject.backend
-    dirty = backend.find_non_finite([subject.asarray(np.array([np.inf], np.float32))])
-    clean = backend.find_non_finite([subject.asarray(np.ones(1, np.float32))])
-    state = init(ScalerConfig(growth_interval=1, hysteresis=2, min_scale=None))
+    backend = c.backend
+    dirty = backend.find_non_finite([c.array(np.array([np.inf], np.float32))])
+    clean = backend.find_non_finite([c.array(np.ones(1, np.float32))])
+    state = init(ScalerConfig(growth_interval=1, hysteresis=2))
     for flag, found in ((dirty, True), (clean, False), (True, True), (False, False)):
         got = backend.update(state, flag)
         if not isinstance(got, ScalerState) or got.to_host() != host_update(state, found):
-            raise _fail(check, subject, f"update with found={found} gave {got!r}")
-    collapsing = init(ScalerConfig(init_scale=FLT_MIN))
+            raise c.fail(f"update with found={found} gave {got!r}")
     try:
-        failed = backend.update(collapsing, dirty)
+        failed = backend.update(init(ScalerConfig(init_scale=FLT_MIN)), dirty)
     except ScaleCollapseError:
         pass
     else:
-        _raises(
-            check,
-            subject,
-            ScaleCollapseError,
-            failed.check,
-            "a collapse neither raised nor recorded: check() on the result",
+        c.raises(
+            ScaleCollapseError, failed.check, "check() after a collapse neither raised nor recorded"
         )
-    _raises(
-        check,
-        subject,
+    c.raises(
         InvalidArgumentError,
         lambda: backend.update("not a state", clean),  # type: ignore[arg-type]
         "update of a str",
     )
-    _raises(
-        check, subject, GradientTypeError, lambda: backend.update(state, 1), "update with flag 1"
-    )
+    c.raises(GradientTypeError, lambda: backend.update(state, 1), "update(state, 1)")
 
 
-#: Every check, by name, in the order :func:`check_backend` runs them.
-BACKEND_CHECKS: Mapping[str, Callable[[BackendSubject], None]] = MappingProxyType(
+_CHECKS: Mapping[str, Callable[[_Check], None]] = MappingProxyType(
     {
         "protocol": _check_protocol,
         "unscale_values": _check_unscale_values,
@@ -444,6 +416,11 @@ BACKEND_CHECKS: Mapping[str, Callable[[BackendSubject], None]] = MappingProxyTyp
         "flags": _check_flags,
         "update": _check_update,
     }
+)
+
+#: What each check asks of a backend, by name, in the order :func:`check_backend` runs them.
+BACKEND_CHECKS: Mapping[str, str] = MappingProxyType(
+    {name: " ".join((check.__doc__ or "").split()) for name, check in _CHECKS.items()}
 )
 
 
@@ -461,9 +438,11 @@ def _cupy_conversions() -> tuple[Callable[[np.ndarray], Any], Callable[[Any], np
     return asarray, to_numpy
 
 
-def _default_conversions(name: str) -> tuple[Callable[[np.ndarray], Any], Callable[[Any], np.ndarray]]:
+def _default_conversions(
+    name: str,
+) -> tuple[Callable[[np.ndarray], Any], Callable[[Any], np.ndarray]]:
     if name == "numpy":
-        return (lambda a: np.array(a)), np.asarray
+        return np.array, np.asarray
     if name == "jax":
         jnp = importlib.import_module("jax.numpy")
         return jnp.asarray, np.asarray
@@ -475,7 +454,9 @@ def _default_conversions(name: str) -> tuple[Callable[[np.ndarray], Any], Callab
     )
 
 
-def _round_trips(asarray: Callable[[np.ndarray], Any], to_numpy: Callable[[Any], np.ndarray]) -> tuple[np.dtype[Any], ...]:
+def _round_trips(
+    asarray: Callable[[np.ndarray], Any], to_numpy: Callable[[Any], np.ndarray]
+) -> tuple[np.dtype[Any], ...]:
     out = []
     for dtype in _DTYPES:
         try:
@@ -524,8 +505,8 @@ def check_backend(
     ['unscale_values', 'select']
     """
     backend = get_backend(backend)
-    names = list(BACKEND_CHECKS) if only is None else list(only)
-    unknown = sorted(set(names) - set(BACKEND_CHECKS))
+    names = list(_CHECKS) if only is None else list(only)
+    unknown = sorted(set(names) - set(_CHECKS))
     if unknown:
         raise InvalidArgumentError(
             f"only={names!r} names {unknown!r}, but the checks are {list(BACKEND_CHECKS)!r}"
@@ -542,5 +523,5 @@ def check_backend(
         )
     with np.errstate(over="ignore", invalid="ignore"):
         for name in names:
-            BACKEND_CHECKS[name](subject)
+            _CHECKS[name](_Check(name, subject))
     return names

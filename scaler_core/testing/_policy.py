@@ -1,6 +1,7 @@
 """Hypothesis strategies and a ready invariant suite for property-testing scale policies.
 
-Needs the ``test`` extra (hypothesis); :mod:`scaler_core.testing` imports it from here. A *policy* is any pure transition
+Needs the ``test`` extra (hypothesis); :mod:`scaler_core.testing` re-exports all of it.
+A *policy* is any pure transition
 ``policy(state, found_non_finite) -> state`` over :class:`ScalerState`; the
 built-in one is :func:`scaler_core.update`. Check your own in your own test
 file (from a plain test function, not inside another ``@given``)::

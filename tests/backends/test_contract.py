@@ -112,7 +112,7 @@ def _unscale_in_float16(grads: Any, scale: Any) -> Any:
     """A classic slip: multiply a float16 gradient in float16 (double rounding)."""
     for g in grads["grads"] if isinstance(grads, dict) else grads:
         if g.dtype == np.float16:
-            g *= np.float16(1.0 / scale)
+            np.multiply(g, np.float16(1.0 / scale), out=g)
     return _reference().unscale(grads, 1.0)
 
 
@@ -121,6 +121,11 @@ def _check_the_input(grads: Any, scale: Any) -> Any:
     found = _reference().find_non_finite(grads)
     out, _ = _reference().unscale(grads, scale)
     return out, found
+
+
+def _loss_in_float64(loss: Any, scale: Any) -> Any:
+    """A scaled loss in float64: a mixed-precision loop would backpropagate in float64."""
+    return _reference().scale_loss(loss, scale).astype(np.float64)
 
 
 def _select_unchecked(found: Any, on_skip: Any, on_step: Any) -> Any:
@@ -134,8 +139,8 @@ def _select_unchecked(found: Any, on_skip: Any, on_step: Any) -> Any:
         ({"unscale": _unscale_in_float16}, "unscale_values", "the rules give"),
         ({"unscale": _check_the_input}, "unscale_values", "flagged False, not True"),
         ({"select": _select_unchecked}, "select", "did not raise InvalidArgumentError"),
-        ({"to_bool": lambda found: bool(found)}, "flags", "to_bool(1) did not raise"),
-        ({"scale_loss": lambda loss, scale: loss * scale}, "scale_loss", "gave"),
+        ({"to_bool": bool}, "flags", "to_bool(1) did not raise"),
+        ({"scale_loss": _loss_in_float64}, "scale_loss", "gave"),
     ],
     ids=["float16-arithmetic", "checks-the-input", "select-unchecked", "to_bool-int", "loss-f64"],
 )

@@ -3,7 +3,9 @@
 These run on any machine. Arrays here are CuPy arrays over fake device memory
 (``UnownedMemory`` at an address nothing may touch): a test that gets the
 library's own validation error, not a CUDA error, proves validation ran before
-any device work. The GPU tests are in ``test_cupy_gpu.py``.
+any device work. That is what the refusal tests here add to the contract suite
+(``test_contract.py``), which runs every rule on the CuPy backend only where a GPU
+is. The GPU tests are in ``test_cupy_gpu.py``.
 """
 
 from __future__ import annotations

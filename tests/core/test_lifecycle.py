@@ -1,13 +1,23 @@
-"""The GradScaler facade enforces the order of one training step (SPEC section 6)."""
+"""The GradScaler facade enforces the order of one training step.
+
+Its rules are one table (``scaler_core._lifecycle.TRANSITIONS``); the tests below check
+the table is complete, that the facade follows it call by call (a hypothesis state
+machine drives random call sequences against the table as the model), that every
+refusal's message comes from it, and that a refused call changes nothing.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 import pytest
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 import scaler_core as sc
+from scaler_core._lifecycle import TRANSITIONS, Call
 
 
 def grads_with(value: float) -> dict[str, np.ndarray]:
@@ -137,3 +147,86 @@ def test_static_no_op_mode_still_skips() -> None:
     scaler.detect({"x": np.array([np.nan], np.float32)})
     assert scaler.should_skip_step()
     assert scaler.update().scale == 1.0
+
+
+# ------------------------------------------------------------- the phase table
+def test_the_table_names_every_call_in_every_phase() -> None:
+    assert set(TRANSITIONS) == set(sc.StepPhase)
+    for phase, row in TRANSITIONS.items():
+        assert set(row) == set(Call), phase
+        for outcome in row.values():
+            assert isinstance(outcome, (sc.StepPhase, str))
+    # Once gradients are checked, update() ends the step from every phase.
+    for phase in (sc.StepPhase.CHECKING, sc.StepPhase.DECIDED, sc.StepPhase.STEPPED):
+        assert TRANSITIONS[phase][Call.UPDATE] is sc.StepPhase.READY
+
+
+def _make_call(scaler: sc.GradScaler, call: Call, group: str) -> Callable[[], Any]:
+    grads = grads_with(2.0**16)
+    return {
+        Call.SCALE_LOSS: lambda: scaler.scale_loss(np.float32(1.0)),
+        Call.UNSCALE: lambda: scaler.unscale(grads, group=group),
+        Call.UNSCALE_AGAIN: lambda: scaler.unscale(grads, group=group),
+        Call.DETECT: lambda: scaler.detect(grads, group=group),
+        Call.SHOULD_SKIP_STEP: scaler.should_skip_step,
+        Call.STEP: lambda: scaler.step(lambda: None),
+        Call.UPDATE: scaler.update,
+        Call.STATE_DICT: scaler.state_dict,
+        Call.LOAD_STATE_DICT: lambda: scaler.load_state_dict(sc.to_dict(scaler.state)),
+    }[call]
+
+
+class FacadeFollowsTheTable(RuleBasedStateMachine):
+    """Random call sequences: each call does what the table says, or changes nothing."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.scaler = sc.GradScaler()
+        self.phase = sc.StepPhase.READY
+        self.unscaled: set[str] = set()
+
+    @rule(
+        call=st.sampled_from([c for c in Call if c is not Call.UNSCALE_AGAIN]),
+        group=st.sampled_from(["a", "b"]),
+    )
+    def do(self, call: Call, group: str) -> None:
+        if call is Call.UNSCALE and group in self.unscaled:
+            call = Call.UNSCALE_AGAIN
+        outcome = TRANSITIONS[self.phase][call]
+        state, flags = self.scaler.state, dict(self.scaler._flags)
+        if isinstance(outcome, str):
+            message = outcome.format(call=call.value, group=group)
+            with pytest.raises(sc.LifecycleError) as info:
+                _make_call(self.scaler, call, group)()
+            assert str(info.value) == message
+            assert self.scaler.state is state, "a refused call changed the state"
+            assert self.scaler._flags == flags, "a refused call recorded a flag"
+            return
+        _make_call(self.scaler, call, group)()
+        self.phase = outcome
+        if call is Call.UNSCALE:
+            self.unscaled.add(group)
+        if call is Call.UPDATE:
+            self.unscaled.clear()
+
+    @invariant()
+    def phase_matches(self) -> None:
+        assert self.scaler.phase is self.phase
+
+
+test_the_facade_follows_the_table = FacadeFollowsTheTable.TestCase
+
+
+def test_unscale_after_the_decision_unscales_nothing() -> None:
+    """A refusal comes before any work: the late group is not unscaled (nor marked)."""
+    scaler = sc.GradScaler()
+    scaler.unscale(grads_with(1.0), group="a")
+    assert not scaler.should_skip_step()
+    late = grads_with(2.0**16)
+    with pytest.raises(sc.LifecycleError, match="after the skip decision"):
+        scaler.unscale(late, group="b")
+    assert late["b"].tolist() == [2.0**16] * 2, "the refused unscale modified the gradients"
+    assert scaler.phase is sc.StepPhase.DECIDED
+    scaler.update()
+    scaler.unscale(late, group="b")  # not marked as unscaled by the refused call
+    assert late["b"].tolist() == [1.0, 1.0]

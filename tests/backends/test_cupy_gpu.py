@@ -296,6 +296,11 @@ def test_collapse_is_recorded_on_device_and_raised_at_the_first_host_look() -> N
     for look in (state.check, state.current_scale, lambda: sc.to_dict(state)):
         with pytest.raises(sc.ScaleCollapseError, match="recorded"):
             look()
+    # to_device moves the recorded failure along (as scaler_core.jax.to_device does).
+    moved = sc_cupy.to_device(state)
+    assert int(moved.failure.get()) == int(sc.Failure.COLLAPSE)
+    with pytest.raises(sc.ScaleCollapseError, match="recorded"):
+        moved.check()
 
 
 @settings(max_examples=25, deadline=None)

@@ -7,8 +7,6 @@ import sys
 import textwrap
 from types import ModuleType
 
-import pytest
-
 import scaler_core as sc
 
 
@@ -23,24 +21,6 @@ def test_all_is_sorted_public_and_importable() -> None:
         if not name.startswith("_") and name not in sc.__all__ and not isinstance(value, ModuleType)
     }
     assert leaked == set(), f"public names missing from __all__: {leaked}"
-
-
-@pytest.mark.parametrize(
-    ("error", "builtin"),
-    [
-        (sc.InvalidConfigError, ValueError),
-        (sc.InvalidStateError, ValueError),
-        (sc.ScaleCollapseError, ArithmeticError),
-        (sc.SkipLimitError, sc.ScaleCollapseError),
-        (sc.LifecycleError, RuntimeError),
-        (sc.GradientTypeError, TypeError),
-        (sc.GradientValueError, ValueError),
-        (sc.BackendUnavailableError, ImportError),
-    ],
-)
-def test_every_error_is_a_scaler_error_and_a_builtin(error: type, builtin: type) -> None:
-    assert issubclass(error, sc.ScalerError)
-    assert issubclass(error, builtin)
 
 
 def test_numpy_use_never_imports_jax_cupy_or_torch(tmp_path: object) -> None:

@@ -122,6 +122,14 @@ def test_collapse_inside_jit_is_recorded_and_raised_on_first_look() -> None:
         twice.current_scale()
     frozen = step(twice, jnp.asarray(False))  # a failed state stays frozen
     assert _fields(frozen) == _fields(twice)
+    # to_device moves a recorded failure along (as scaler_core.cupy.to_device does):
+    # it reads nothing back, and the first host-side look still raises.
+    moved = to_device(twice)
+    assert int(moved.failure) == int(sc.Failure.COLLAPSE)
+    with pytest.raises(sc.ScaleCollapseError, match="device transition recorded"):
+        moved.check()
+    with pytest.raises(sc.InvalidArgumentError, match="must be a ScalerState"):
+        to_device({"scale": 1.0})  # type: ignore[arg-type]
 
 
 @given(

@@ -14,6 +14,7 @@ from typing import Any
 import numba
 import numpy as np
 from numba import njit, prange
+
 from scaler_core.backends._numpy_kernels import _voidptr
 
 __all__ = ["Table"]

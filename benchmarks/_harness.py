@@ -18,9 +18,8 @@ from typing import Any
 import numpy as np
 
 try:
-    from scaler_core.backends import _numpy as _numpy_backend
-
     import scaler_core as sc
+    from scaler_core.backends import _numpy as _numpy_backend
 except ImportError as exc:  # pragma: no cover - a setup error, explained
     raise SystemExit(
         f"benchmarks need scaler-core installed ({exc}); from the repository root run "

@@ -28,10 +28,9 @@ except Exception as exc:  # no driver / no device
 if _N_GPUS == 0:
     pytest.skip(f"GPU tests of the CuPy backend: {_WHY}", allow_module_level=True)
 
+from scaler_core import cupy as sc_cupy  # noqa: E402
 from scaler_core.backends import _cupy  # noqa: E402 - only where CuPy and a GPU exist
 from scaler_core.backends._numpy_reference import NumpyReferenceBackend  # noqa: E402
-
-from scaler_core import cupy as sc_cupy  # noqa: E402
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 DTYPES = [np.dtype(np.float16), BF16, np.dtype(np.float32), np.dtype(np.float64)]

@@ -14,9 +14,8 @@ jax = pytest.importorskip("jax", reason="the JAX backend needs jax")
 jnp = pytest.importorskip("jax.numpy", reason="the JAX backend needs jax")
 ml_dtypes = pytest.importorskip("ml_dtypes")
 
-from scaler_core.backends._jax import BACKEND, to_device  # noqa: E402
-
 import scaler_core as sc  # noqa: E402
+from scaler_core.backends._jax import BACKEND, to_device  # noqa: E402
 
 NP = sc.get_backend("numpy")
 DTYPES = ["float16", "bfloat16", "float32"]

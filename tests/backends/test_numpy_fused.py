@@ -21,10 +21,10 @@ import numpy as np
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
-from scaler_core.backends import _numpy as fused
-from scaler_core.backends._numpy_reference import NumpyReferenceBackend
 
 from scaler_core import GradientTypeError, GradientValueError, get_backend
+from scaler_core.backends import _numpy as fused
+from scaler_core.backends._numpy_reference import NumpyReferenceBackend
 from scaler_core.testing import scales
 
 REFERENCE = NumpyReferenceBackend()

@@ -134,8 +134,11 @@ OK=$INSTALLED
 # rather than turned into errors (CI on the CPU keeps them errors): a third-party deprecation
 # must not void this one-shot run.
 PYTEST=("$PY" -P -m pytest -p no:cacheprovider -rs -v -W default)
-cupy_tests=(tests/test_cupy_gpu.py tests/test_cupy_cpu.py)
-[[ -f tests/test_readme.py ]] && cupy_tests+=(tests/test_readme.py)
+# The GPU tests, the CuPy rows of the backend contract suite (every check on the GPU), and
+# the docs pages' CuPy examples.
+cupy_tests=(tests/backends/test_cupy_gpu.py tests/backends/test_cupy_cpu.py
+    tests/backends/test_contract.py)
+[[ -f tests/docs/test_pages.py ]] && cupy_tests+=(tests/docs/test_pages.py)
 stage pytest-cupy 200 "$OUT/pytest-cupy.log" "${PYTEST[@]}" --junitxml="$OUT/pytest-cupy.xml" \
     "${cupy_tests[@]}" || OK=0
 tail -n 40 "$OUT/pytest-cupy.log"
@@ -149,13 +152,13 @@ stage bench-2000x1024 60 - "$PY" -P benchmarks/bench_gpu.py --sets 2000x1024 --n
     --json "$OUT/bench_gpu-2000x1024.json" || OK=0
 
 # ------------------------------------------------------------------ JAX tests
-mapfile -t jax_tests < <(ls tests/test_jax*.py 2>/dev/null)
+mapfile -t jax_tests < <(ls tests/*/test_jax*.py 2>/dev/null)
 if ((${#jax_tests[@]})); then
     stage pytest-jax 200 "$OUT/pytest-jax.log" "${PYTEST[@]}" --junitxml="$OUT/pytest-jax.xml" \
         "${jax_tests[@]}" || OK=0
     tail -n 40 "$OUT/pytest-jax.log"
 else
-    note pytest-jax "not run: no tests/test_jax*.py in this tree" 0
+    note pytest-jax "not run: no tests/*/test_jax*.py in this tree" 0
 fi
 
 # Optional: the 2000-array set again with the JAX contenders (replaces the numbers above if it

@@ -1,4 +1,4 @@
-"""ScalerConfig fails closed at construction (SPEC section 2)."""
+"""ScalerConfig fails closed at construction: every field validated, named in the error."""
 
 from __future__ import annotations
 

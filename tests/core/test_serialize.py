@@ -1,4 +1,4 @@
-"""State in and out (SPEC section 7): JSON-safe, versioned, validated on load."""
+"""State in and out: JSON-safe, versioned, validated on load like construction."""
 
 from __future__ import annotations
 

@@ -31,7 +31,7 @@ class RefusedError(Exception):
 
 @dataclasses.dataclass
 class Model:
-    """An independent statement of SPEC section 3 and 4."""
+    """An independent statement of the transition rules (the theory of operation of _state.py)."""
 
     cfg: sc.ScalerConfig
     scale: np.float32

@@ -442,7 +442,7 @@ def to_device(state: ScalerState, device: int | None = None) -> ScalerState:
 def _on_current(value: Any) -> Any:
     """A CuPy array moved to the current device if it lives on another (device to device)."""
     if isinstance(value, _NDARRAY) and value.device.id != cupy.cuda.runtime.getDevice():
-        return cupy.asarray(value)
+        return cupy.array(value, copy=True)  # allocated on the current device
     return value
 
 

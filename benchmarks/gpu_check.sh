@@ -5,14 +5,14 @@
 #     bash benchmarks/gpu_check.sh OUTDIR
 # It (1) installs scaler-core from this working tree into $PYTHON (default python3) with pip
 # --no-index --no-deps --no-build-isolation (falling back to a copied package on PYTHONPATH if
-# pip cannot), (2) runs the CuPy tests (+ the README test) on the GPU, (3) runs
+# pip cannot), (2) runs the CuPy tests (+ the docs pages' CuPy examples) on the GPU, (3) runs
 # benchmarks/bench_gpu.py on both sets, (4) runs the JAX tests on the GPU, (5) optionally reruns
 # the 2000-array set with the JAX contenders, and (6) prints a summary. Each stage runs even if
 # an earlier one failed; a global deadline (GPU_CHECK_BUDGET_S, default 450 s) keeps the whole
 # run under 8 minutes. Written under OUTDIR:
 #     gpu_check.log            everything printed
 #     env.txt                  GPU, driver and library versions
-#     pytest-cupy.{log,xml}    CuPy backend tests (and the README test) on the GPU
+#     pytest-cupy.{log,xml}    CuPy backend tests (and the docs pages' CuPy examples) on the GPU
 #     pytest-jax.{log,xml}     JAX backend tests on the GPU
 #     bench_gpu-SET.json       benchmark results per set
 #     summary.json             stage results, test counts, benchmark goals

@@ -149,7 +149,7 @@ class GradScaler:
             before the skip decision and the update; every replica must call
             :meth:`should_skip_step` / :meth:`update` in the same order.
         policy: Your own transition ``policy(state, found) -> state`` (a pure
-            function; see "Testing your own policy" in the README), used by
+            function; see "Testing your own policy" in docs/policies.md), used by
             :meth:`update` instead of :func:`scaler_core.update`.
 
     >>> import numpy as np

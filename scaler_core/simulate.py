@@ -68,7 +68,7 @@ DTYPE_MAX: Mapping[str, float] = {
     "float32": FLT_MAX,
 }
 
-#: The example traces shipped in ``scaler_core/traces`` (see the README).
+#: The example traces shipped in ``scaler_core/traces`` (see docs/simulate.md).
 EXAMPLE_TRACES: Mapping[str, str] = {
     "spikes": "mlp_fp16_spikes.csv",
     "nan-burst": "mlp_fp16_nan_burst.json",

@@ -20,7 +20,7 @@ from scaler_core.backends._jax import BACKEND, to_device  # noqa: E402
 NP = sc.get_backend("numpy")
 DTYPES = ["float16", "bfloat16", "float32"]
 # Scales whose inverse is not a power of two exercise the f32(1/f64(s)) rounding.
-# Above 2**126 the inverse is a float32 subnormal, which XLA flushes to zero (README).
+# Above 2**126 the inverse is a float32 subnormal, which XLA flushes to zero (docs/jax.md).
 SCALES = [1.0, 3.0, 65536.0, 0.1, 2.0**-20, 12345.678, 2.0**100]
 
 

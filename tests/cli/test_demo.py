@@ -1,7 +1,7 @@
 """``scaler-core demo`` end to end: the numbers, the files, the CLI.
 
 The full default demo (400 steps on the digits, a few seconds) runs once, to check
-the README's numbers; the synthetic task runs at 150 steps and the CLI at 20.
+the numbers docs/demo.md shows; the synthetic task runs at 150 steps and the CLI at 20.
 """
 
 from __future__ import annotations
@@ -139,7 +139,7 @@ def test_underflow_measure_is_not_constant() -> None:
 
 
 def test_loss_weight_leaves_float32_training_unchanged() -> None:
-    """The README's claim: in float32 the power-of-two loss weight changes nothing."""
+    """The demo page's claim: in float32 the power-of-two loss weight changes nothing."""
     data = demo.load_dataset("synthetic")
     plain = demo.train(demo.DemoSettings(steps=15, loss_weight=1.0), "float32", data)
     weighted = demo.train(demo.DemoSettings(steps=15), "float32", data)

@@ -1,6 +1,7 @@
-"""Every code block in README.md runs as written.
+"""Every code block in README.md and in every docs/*.md page runs as written.
 
-The convention (follow it when you add a README section):
+The convention (follow it when you add a page or a section; docs/development.md
+says the same for contributors):
 
 * Every fenced block tagged ``python`` is executed as a script, each in a fresh
   Python process started from an empty temporary folder, and must exit 0. End a
@@ -16,6 +17,8 @@ The convention (follow it when you add a README section):
 * Blocks tagged ``bash``, ``text`` or anything else are not executed. The two
   command lines at the top of the README are checked separately: each is one
   line, and the demo line is run (at a small size).
+* Every page has a title, the README links to every page, and the pages import
+  public names only.
 """
 
 from __future__ import annotations
@@ -33,8 +36,13 @@ from pathlib import Path
 import pytest
 
 from scaler_core import _cli
+from scaler_core._lifecycle import TRANSITIONS
 
-README = Path(__file__).resolve().parents[2] / "README.md"
+ROOT = Path(__file__).resolve().parents[2]
+README = ROOT / "README.md"
+DOCS = ROOT / "docs"
+#: The README first, then the docs pages in name order.
+PAGES = [README, *sorted(DOCS.glob("*.md"))]
 
 #: Optional libraries a block may import; it is skipped when one is missing.
 OPTIONAL = frozenset(
@@ -59,22 +67,32 @@ _FENCE = re.compile(r"^```(\w*)\s*$")
 _MARKER = re.compile(r"^<!--\s*readme-test:\s*(requires|skip)\b(.*?)-->\s*$")
 
 
+def _name(page: Path) -> str:
+    """The page's path from the repository root (``README.md``, ``docs/jax.md``)."""
+    return page.relative_to(ROOT).as_posix() if page.is_relative_to(ROOT) else page.name
+
+
 @dataclass(frozen=True)
 class Block:
-    """One fenced code block of the README."""
+    """One fenced code block of a page."""
 
     lang: str
     code: str
     line: int  # 1-based line of the opening fence
     markers: tuple[tuple[str, str], ...]
+    page: str = "README.md"
+
+    @property
+    def where(self) -> str:
+        return f"{self.page} line {self.line}"
 
     @property
     def id(self) -> str:
         first = next((ln for ln in self.code.splitlines() if ln.strip()), "")
-        return f"line{self.line}-{self.lang}-{first[:30]}"
+        return f"{self.page}:{self.line}-{self.lang}-{first[:30]}"
 
 
-def parse_blocks(text: str) -> list[Block]:
+def parse_blocks(text: str, page: str = "README.md") -> list[Block]:
     """Fenced blocks with the ``readme-test`` markers on the lines just above them."""
     lines = text.splitlines()
     blocks: list[Block] = []
@@ -90,7 +108,7 @@ def parse_blocks(text: str) -> list[Block]:
             body.append(lines[i])
             i += 1
         if i == len(lines):
-            raise AssertionError(f"README.md line {start + 1}: code fence never closed")
+            raise AssertionError(f"{page} line {start + 1}: code fence never closed")
         markers: list[tuple[str, str]] = []
         j = start - 1
         while j >= 0 and (lines[j].strip() == "" or _MARKER.match(lines[j])):
@@ -98,13 +116,18 @@ def parse_blocks(text: str) -> list[Block]:
             if marker:
                 markers.append((marker.group(1), marker.group(2).strip()))
             j -= 1
-        blocks.append(Block(fence.group(1), "\n".join(body) + "\n", start + 1, tuple(markers)))
+        blocks.append(
+            Block(fence.group(1), "\n".join(body) + "\n", start + 1, tuple(markers), page)
+        )
         i += 1
     return blocks
 
 
 BLOCKS = parse_blocks(README.read_text(encoding="utf-8"))
-PYTHON_BLOCKS = [b for b in BLOCKS if b.lang == "python"]
+PAGE_BLOCKS = {
+    _name(page): parse_blocks(page.read_text(encoding="utf-8"), _name(page)) for page in PAGES
+}
+PYTHON_BLOCKS = [b for blocks in PAGE_BLOCKS.values() for b in blocks if b.lang == "python"]
 
 
 def imported_modules(code: str) -> set[str]:
@@ -156,22 +179,26 @@ def missing_requirements(block: Block) -> list[str]:
         elif importlib.util.find_spec(need) is None:
             missing.append(need)
         elif need == "mpi4py" and not has_mpi():
-            missing.append("an MPI library mpi4py can load (tests/test_mpi.py fails on that)")
+            missing.append(
+                "an MPI library mpi4py can load (tests/integrations/test_mpi.py fails on that)"
+            )
     return missing
 
 
-def test_readme_has_python_blocks() -> None:
-    assert len(PYTHON_BLOCKS) >= 2, "the README lost its quickstarts"
+def test_pages_have_python_blocks() -> None:
+    assert len(PYTHON_BLOCKS) >= 2, "the pages lost their quickstarts"
+    quickstart = [b for b in PAGE_BLOCKS["docs/numpy.md"] if b.lang == "python"]
+    assert quickstart, "docs/numpy.md lost its quickstart"
 
 
 @pytest.mark.parametrize("block", PYTHON_BLOCKS, ids=[b.id for b in PYTHON_BLOCKS])
 def test_python_block_runs(block: Block, tmp_path: Path) -> None:
     for kind, reason in block.markers:
         if kind == "skip":
-            pytest.skip(f"README.md line {block.line}: marked skip: {reason}")
+            pytest.skip(f"{block.where}: marked skip: {reason}")
     missing = missing_requirements(block)
     if missing:
-        pytest.skip(f"README.md line {block.line} needs {', '.join(missing)}")
+        pytest.skip(f"{block.where} needs {', '.join(missing)}")
     script = tmp_path / "block.py"
     script.write_text(block.code, encoding="utf-8")
     result = subprocess.run(
@@ -183,8 +210,122 @@ def test_python_block_runs(block: Block, tmp_path: Path) -> None:
         check=False,
     )
     assert result.returncode == 0, (
-        f"README.md block at line {block.line} failed:\n{result.stdout}\n{result.stderr}"
+        f"{block.where}: the block failed:\n{result.stdout}\n{result.stderr}"
     )
+
+
+# ------------------------------------------------------------------ the pages
+@pytest.mark.parametrize("page", PAGES, ids=[_name(p) for p in PAGES])
+def test_page_has_a_title_and_an_introduction(page: Path) -> None:
+    lines = page.read_text(encoding="utf-8").splitlines()
+    assert lines, f"{_name(page)} is empty"
+    assert re.fullmatch(r"# \S.*", lines[0]), f"{_name(page)} must start with a '# title' line"
+    intro = next((ln for ln in lines[1:] if ln.strip()), "")
+    assert not intro.startswith("#"), f"{_name(page)}: a short introduction comes before a section"
+
+
+def test_readme_links_to_every_page() -> None:
+    readme = README.read_text(encoding="utf-8")
+    linked = set(re.findall(r"\]\((docs/[\w-]+\.md)\)", readme))
+    pages = {_name(p) for p in PAGES[1:]}
+    assert pages, "there are no docs pages"
+    assert pages <= linked, f"the README's contents miss {sorted(pages - linked)}"
+    assert linked <= pages, f"the README links to missing pages {sorted(linked - pages)}"
+
+
+#: An import of a private module or name of scaler-core (a ``python -m scaler_core._cli...``
+#: command line, or a file path in prose, is fine).
+_PRIVATE = re.compile(
+    r"^\s*(?:from\s+scaler_core(?:\.\w+)*\._\w+\s+import"
+    r"|import\s+scaler_core(?:\.\w+)*\._\w+"
+    r"|from\s+scaler_core(?:\.\w+)*\s+import\s[^#\n]*\b_\w+)"
+    r"|scaler_core\.backends\._\w+",
+    re.MULTILINE,
+)
+#: Names that moved or were renamed; the pages must not mention them.
+_GONE = re.compile(
+    r"_simulate|_numpy_fused|jax_utils|jax_optax|scaler_core\.gpu|scaler_core\.distributed"
+    r"|allreduce_found|nccl_reduce_found|state_to_device|SPEC\b|PERF_NOTES|\.\./shared"
+)
+
+
+def _user_files() -> list[Path]:
+    return [*PAGES, *sorted((ROOT / "examples").glob("**/*.py"))]
+
+
+@pytest.mark.parametrize("path", _user_files(), ids=[_name(p) for p in _user_files()])
+def test_user_docs_name_public_modules_only(path: Path) -> None:
+    text = path.read_text(encoding="utf-8")
+    private = sorted({m.group(0) for m in _PRIVATE.finditer(text)})
+    assert not private, f"{_name(path)} names private modules: {private}"
+    gone = sorted({m.group(0) for m in _GONE.finditer(text)})
+    assert not gone, f"{_name(path)} names what no longer exists or lies outside: {gone}"
+
+
+def test_relative_links_between_pages_resolve() -> None:
+    for page in PAGES:
+        text = page.read_text(encoding="utf-8")
+        for target in re.findall(r"\]\(([^)#:\s]+\.md)(?:#[\w-]+)?\)", text):
+            assert (page.parent / target).is_file(), f"{_name(page)} links to missing {target}"
+
+
+def _anchors(page: Path) -> set[str]:
+    """GitHub's anchors for the page's headings."""
+    out = set()
+    for line in page.read_text(encoding="utf-8").splitlines():
+        if line.startswith("#"):
+            title = line.lstrip("#").strip().lower()
+            out.add(re.sub(r"[^\w\- ]", "", title).replace(" ", "-"))
+    return out
+
+
+def test_anchors_between_pages_resolve() -> None:
+    for page in PAGES:
+        text = page.read_text(encoding="utf-8")
+        for target, anchor in re.findall(r"\]\(([^)#:\s]*)#([\w-]+)\)", text):
+            linked = page if not target else page.parent / target
+            assert anchor in _anchors(linked), f"{_name(page)}: no #{anchor} in {_name(linked)}"
+
+
+# ------------------------------------------------------- the order of a step
+def phase_table() -> str:
+    """The facade's phase table as docs/reference.md shows it: rows = phases, columns =
+    calls, each cell the next phase or "refused"."""
+    calls = list(next(iter(TRANSITIONS.values())))
+    rows = [
+        "| phase | " + " | ".join(f"`{call.value}`" for call in calls) + " |",
+        "|---" * (len(calls) + 1) + "|",
+    ]
+    for phase, outcomes in TRANSITIONS.items():
+        assert list(outcomes) == calls, f"phase {phase} lists other calls"
+        cells = [
+            "refused" if isinstance(outcomes[call], str) else f"`{outcomes[call].name}`"
+            for call in calls
+        ]
+        rows.append(f"| `{phase.name}` | " + " | ".join(cells) + " |")
+    return "\n".join(rows)
+
+
+def _section(page: Path, title: str) -> str:
+    text = page.read_text(encoding="utf-8")
+    start = text.index(f"\n{title}\n")
+    end = text.find("\n## ", start + len(title) + 2)
+    return text[start : None if end < 0 else end]
+
+
+def test_reference_shows_exactly_the_phase_table() -> None:
+    section = _section(DOCS / "reference.md", "## The order of a step")
+    shown = [ln for ln in section.splitlines() if ln.startswith("|")]
+    assert "\n".join(shown) == phase_table()
+
+
+def test_reference_names_every_backend_check_in_order() -> None:
+    from scaler_core.testing import BACKEND_CHECKS
+
+    section = _section(DOCS / "reference.md", "## Checking a backend")
+    prose = section.split("```")[0]
+    named = [n for n in re.findall(r"`(\w+)`", prose) if n in BACKEND_CHECKS]
+    assert named == list(BACKEND_CHECKS)
 
 
 # ----------------------------------------------------------- the top commands
@@ -193,11 +334,20 @@ def _top_commands() -> tuple[str, str]:
     bash = [b for b in BLOCKS if b.lang == "bash"]
     assert len(bash) >= 2, "the README must open with the demo and test command lines"
     demo, tests = bash[0], bash[1]
-    assert PYTHON_BLOCKS
-    assert demo.line < tests.line < PYTHON_BLOCKS[0].line
+    assert BLOCKS[:2] == [demo, tests], "the two command lines are the README's first blocks"
+    readme_python = [b for b in BLOCKS if b.lang == "python"]
+    assert all(demo.line < tests.line < b.line for b in readme_python)
     for block in (demo, tests):
         assert len(block.code.strip().splitlines()) == 1, f"line {block.line}: one line only"
     return demo.code.strip(), tests.code.strip()
+
+
+def test_top_commands_open_the_first_screen() -> None:
+    demo, tests = [b for b in BLOCKS if b.lang == "bash"][:2]
+    assert tests.line < 40, "the two commands must be on the README's first screen"
+    why = README.read_text(encoding="utf-8").splitlines().index("## Why")
+    assert why < 40, "the README's Why starts on its first screen"
+    assert demo.line < why
 
 
 def test_top_test_command_is_pytest_after_installing_the_test_extra() -> None:
@@ -208,7 +358,7 @@ def test_top_test_command_is_pytest_after_installing_the_test_extra() -> None:
     assert extras is not None, install
     assert "test" in extras.group(1).split(","), install
     assert run == "pytest", "CI (.ci/run) runs plain pytest: keep the README's line the same"
-    assert "\npytest\n" in (README.parent / ".ci" / "run").read_text(encoding="utf-8")
+    assert "\npytest\n" in (ROOT / ".ci" / "run").read_text(encoding="utf-8")
 
 
 def test_top_demo_command_runs(tmp_path: Path) -> None:
@@ -245,11 +395,18 @@ def test_markers_are_understood() -> None:
         "<!-- readme-test: skip shows a pattern only -->\n\n"
         "```python\nimport torch\n```\n"
     )
-    first, second = parse_blocks(text)
+    first, second = parse_blocks(text, "docs/example.md")
     assert first.markers == (("requires", "gpu nosuchmodule"),)
     assert "nosuchmodule" in missing_requirements(first)
     assert second.markers == (("skip", "shows a pattern only"),)
+    assert first.id.startswith("docs/example.md:2-python")
     assert imported_modules("import jax.numpy as jnp\nfrom optax import adam\n") == {
         "jax",
         "optax",
     }
+
+
+def test_a_cupy_block_needs_a_gpu() -> None:
+    (block,) = parse_blocks("```python\nimport cupy as cp\n```\n", "docs/cupy.md")
+    if not has_gpu():
+        assert "a GPU" in missing_requirements(block)

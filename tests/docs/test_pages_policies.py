@@ -1,4 +1,5 @@
-"""The README's policy, testing-kit and simulator examples run as written."""
+"""The policy, testing-kit and simulator examples of docs/policies.md and docs/simulate.md
+run as written and print what their comments say."""
 
 from __future__ import annotations
 
@@ -17,32 +18,42 @@ import pytest
 import scaler_core as sc
 from scaler_core.testing import PolicyViolationError, check_policy
 
-README = Path(__file__).resolve().parents[2] / "README.md"
-SECTIONS = ("## Policies and presets", "## Testing your own policy", "## Simulating a trace")
+DOCS = Path(__file__).resolve().parents[2] / "docs"
+#: (page, section title): the sections whose examples are checked here. A page's title
+#: ("# ...") stands for the whole page.
+SECTIONS = (
+    ("policies.md", "## Policies and presets"),
+    ("policies.md", "## Your own policy"),
+    ("policies.md", "## Testing your own policy"),
+    ("simulate.md", "# Simulating a trace"),
+)
 
 
-def _section(title: str) -> str:
-    text = README.read_text(encoding="utf-8")
-    start = text.index(title)
-    end = text.find("\n## ", start + len(title))
+def _section(page: str, title: str) -> str:
+    text = (DOCS / page).read_text(encoding="utf-8")
+    if title.startswith("# "):
+        assert text.startswith(f"{title}\n"), f"docs/{page} lost its title {title!r}"
+        return text
+    start = text.index(f"\n{title}\n")
+    end = text.find("\n## ", start + len(title) + 1)
     return text[start : None if end < 0 else end]
 
 
 def _blocks(lang: str) -> list[str]:
     return [
         block
-        for title in SECTIONS
-        for block in re.findall(rf"```{lang}\n(.*?)```", _section(title), flags=re.S)
+        for page, title in SECTIONS
+        for block in re.findall(rf"```{lang}\n(.*?)```", _section(page, title), flags=re.S)
     ]
 
 
 @pytest.mark.parametrize("index", range(len(_blocks("python"))))
 def test_python_examples_run_and_print_what_they_say(index: int) -> None:
     code = _blocks("python")[index]
-    namespace: dict[str, Any] = {"__name__": "readme_example"}
+    namespace: dict[str, Any] = {"__name__": "docs_example"}
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
-        exec(compile(code, f"README python block {index}", "exec"), namespace)
+        exec(compile(code, f"docs python block {index}", "exec"), namespace)
         for name, fn in list(namespace.items()):
             if name.startswith("test_") and callable(fn):
                 fn()
@@ -80,7 +91,7 @@ def test_the_documented_failure_of_capped_is_found() -> None:
 
 
 def test_the_shown_nan_burst_table_is_current() -> None:
-    shown = re.search(r"```text\n(trace nan-burst.*?)```", _section(SECTIONS[2]), flags=re.S)
+    shown = re.search(r"```text\n(trace nan-burst.*?)```", _section(*SECTIONS[3]), flags=re.S)
     assert shown is not None
     policies = ["--policy", "torch", "--policy", "jmp", "--policy", "deepspeed"]
     proc = subprocess.run(

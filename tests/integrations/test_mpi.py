@@ -1,8 +1,8 @@
 """Many processes under ``mpiexec``: one skip decision across replicas, and what happens without it.
 
 Each test launches real MPI processes (the ``mpich`` wheel's ``mpiexec``, 2 to 4 ranks, which
-oversubscribe a 2-core machine fine) running a script from ``tests/mpi_scripts/`` or the
-README's example, with a timeout. Skipped when mpi4py or ``mpiexec`` is not installed
+oversubscribe a 2-core machine fine) running a script from ``mpi_scripts/`` or the
+example that docs/mpi.md shows, with a timeout. Skipped when mpi4py or ``mpiexec`` is not installed
 (``pip install "scaler-core[mpi]"``).
 """
 
@@ -285,25 +285,27 @@ def test_readme_example_runs_with_four_processes(launcher: Launcher) -> None:
     assert float(lines[2].rsplit("=", 1)[1]) < 1e-4
 
 
-def _readme_mpi_blocks() -> list[str]:
-    readme = HERE.parents[1] / "README.md"
-    if not readme.is_file():
-        pytest.skip("needs the source checkout (README.md), e.g. not when testing the wheel")
-    text = readme.read_text(encoding="utf-8")
-    section = text.split("## Data parallel (MPI)\n", 1)[1].split("\n## ", 1)[0]
-    return [block.split("```", 1)[0] for block in section.split("```python\n")[1:]]
+def _docs_mpi_blocks() -> list[str]:
+    """The python blocks of docs/mpi.md: the example file, then the functional snippet."""
+    page = HERE.parents[1] / "docs" / "mpi.md"
+    if not page.is_file():
+        pytest.skip("needs the source checkout (docs/mpi.md), e.g. not when testing the wheel")
+    text = page.read_text(encoding="utf-8")
+    return [block.split("```", 1)[0] for block in text.split("```python\n")[1:]]
 
 
 def test_readme_shows_the_tested_example_file_verbatim() -> None:
-    blocks = _readme_mpi_blocks()
+    """docs/mpi.md (where the README sends MPI users) shows the tested example verbatim."""
+    blocks = _docs_mpi_blocks()
     if not EXAMPLE.is_file():
         pytest.skip("needs the source checkout (examples/), e.g. not when testing the wheel")
     assert blocks[0] == EXAMPLE.read_text(encoding="utf-8")
 
 
 def test_readme_functional_snippet_runs_under_mpiexec(launcher: Launcher, tmp_path: Path) -> None:
+    """docs/mpi.md's functional snippet, under mpiexec with two ranks."""
     snippet = tmp_path / "snippet.py"
-    snippet.write_text(_readme_mpi_blocks()[1], encoding="utf-8")
+    snippet.write_text(_docs_mpi_blocks()[1], encoding="utf-8")
     run = _launch(launcher, 2, [str(snippet)])
     assert run.returncode == 0, run.stderr
     assert run.stdout == "2 ranks: found=True scale=32768.0 params=[0. 0. 0. 0.]\n"

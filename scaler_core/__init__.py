@@ -33,9 +33,9 @@ if not _os.path.isdir(_os.path.join(_HERE, "backends")) and _os.path.isfile(
         submodule_search_locations=[_CHECKOUT_BACKENDS],
     )
     if _spec is not None and _spec.loader is not None:
-        _sys.modules[_spec.name] = _module = _util.module_from_spec(_spec)
-        _spec.loader.exec_module(_module)
-        del _module
+        # Bound as an attribute too, as an import of the submodule would bind it.
+        _sys.modules[_spec.name] = backends = _util.module_from_spec(_spec)
+        _spec.loader.exec_module(backends)
     del _spec, _sys, _util
 del _HERE, _CHECKOUT_BACKENDS, _os
 

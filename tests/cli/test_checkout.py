@@ -61,7 +61,8 @@ def _run(args: list[str], env: dict[str, str]) -> subprocess.CompletedProcess[st
 
 def test_import_from_the_root_finds_the_backends(env: dict[str, str]) -> None:
     code = (
-        "import numpy as np, scaler_core as sc, scaler_core.backends as b; "
+        "import sys, numpy as np, scaler_core as sc, scaler_core.backends as b; "
+        "assert sc.backends is b is sys.modules['scaler_core.backends']; "
         "g = [np.ones(3, np.float32)]; sc.unscale(g, 2.0); "
         "print(sc.__file__); print(b.__path__[0]); print(g[0].tolist())"
     )

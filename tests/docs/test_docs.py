@@ -9,16 +9,27 @@ import pkgutil
 import pytest
 
 import scaler_core
+import scaler_core.backends
 
+# The package and its backends, found where they are (inside the package once installed,
+# beside it in a checkout).
 MODULES = sorted(
-    m.name
-    for m in pkgutil.walk_packages(scaler_core.__path__, "scaler_core.")
-    if not m.name.startswith("scaler_core.backends._") or m.name.endswith("_numpy")
+    {m.name for m in pkgutil.walk_packages(scaler_core.__path__, "scaler_core.")}
+    | {m.name for m in pkgutil.iter_modules(scaler_core.backends.__path__, "scaler_core.backends.")}
 )
 
+#: Modules that need an optional dependency: skipped cleanly without it.
+OPTIONAL = {
+    "scaler_core.jax": ("jax",),
+    "scaler_core.optax": ("jax", "optax"),
+    "scaler_core.backends._jax": ("jax",),
+    "scaler_core.backends._cupy": ("cupy",),
+    "scaler_core.backends._numpy_kernels": ("numba",),
+}
 
-#: Public modules that need an optional dependency: skipped cleanly without it.
-OPTIONAL = {"scaler_core.jax": ("jax",), "scaler_core.optax": ("jax", "optax")}
+
+def test_the_backends_are_among_the_modules() -> None:
+    assert {"scaler_core.backends._common", "scaler_core.backends._numpy"} <= set(MODULES)
 
 
 @pytest.mark.parametrize("name", MODULES)

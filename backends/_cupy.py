@@ -26,7 +26,7 @@ import threading
 import warnings
 import weakref
 from collections import OrderedDict
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from typing import Any
 
 import cupy
@@ -36,20 +36,29 @@ from scaler_core._errors import (
     BackendUnavailableError,
     GradientTypeError,
     GradientValueError,
-    InvalidConfigError,
+    InvalidArgumentError,
 )
-from scaler_core._state import DATA_FIELDS, ScalerState, device_update
-from scaler_core._tree import leaves_with_paths
+from scaler_core._state import ScalerState, convert_fields, device_update
+from scaler_core._tree import leaves_with_paths, map_pairs
 
-from ._numpy import FLOAT_DTYPES, inv_scale_of
+from ._common import (
+    FLOAT_DTYPES,
+    LeafKind,
+    check_select_pair,
+    flag_error,
+    host_flag,
+    inv_scale_of,
+)
 
 # BACKEND (what the registry reads) is served by __getattr__ below.
 __all__ = [
     "CHUNK_BYTES",
+    "LEAVES",
     "CupyBackend",
+    "found_reducer",
     "kernel_source",
-    "nccl_reduce_found",
-    "state_to_device",
+    "reduce_found",
+    "to_device",
 ]
 
 #: Largest piece of one array that one block handles per table entry. Small enough
@@ -58,7 +67,6 @@ __all__ = [
 CHUNK_BYTES = 64 * 1024
 _BLOCK = 512  # SC_BLOCK in the kernel source
 _BLOCKS_PER_SM = 4  # 2048 resident threads per SM / 512
-_ACCEPTED = "float16, bfloat16, float32 or float64"
 _SUFFIX = {dt: dt.name for dt in FLOAT_DTYPES}
 _BF16 = FLOAT_DTYPES[1]
 _UINT = {2: np.dtype(np.uint16), 4: np.dtype(np.uint32), 8: np.dtype(np.uint64)}
@@ -66,6 +74,15 @@ _NDARRAY = cupy.ndarray
 _TABLE_CACHE_SIZE = 64
 _PLAN_CACHE_SIZE = 16
 _NULL = np.uint64(0)
+
+#: CuPy gradient leaves.
+LEAVES = LeafKind(
+    "cupy",
+    _NDARRAY,
+    "cupy.ndarray",
+    "cupy",
+    "cupy.asarray(x) (or cupy.from_dlpack(t) for a framework's GPU tensor)",
+)
 
 
 def kernel_source() -> str:
@@ -214,17 +231,7 @@ def _validated(grads: Any) -> tuple[list[Any], list[str]]:
     device: int | None = None
     first = ""
     for path, leaf in leaves_with_paths(grads):
-        if not isinstance(leaf, _NDARRAY):
-            raise GradientTypeError(
-                f"{path} is a {type(leaf).__module__}.{type(leaf).__qualname__}, but the cupy "
-                f"backend needs cupy.ndarray leaves of dtype {_ACCEPTED}; convert it with "
-                f"cupy.asarray (or cupy.from_dlpack for a framework's GPU tensor)"
-            )
-        if leaf.dtype not in FLOAT_DTYPES:
-            raise GradientTypeError(
-                f"{path} has dtype {leaf.dtype}, but gradients must be {_ACCEPTED}; "
-                f"cast it with .astype(cupy.float32) or leave it out of the tree"
-            )
+        LEAVES.check(path, leaf)
         dev = leaf.device.id
         if device is None:
             device, first = dev, path
@@ -409,26 +416,34 @@ class _DeviceNamespace:
 _XP = _DeviceNamespace()
 
 
-def state_to_device(state: ScalerState, device: int | None = None) -> ScalerState:
+def to_device(state: ScalerState, device: int | None = None) -> ScalerState:
     """``state`` with every field a 0-d CuPy array (float32 scale, int32 counters).
 
     Use it once before the training loop; from then on :func:`scaler_core.update`
     with a device flag keeps the state on the GPU with no host synchronisation.
+    Nothing is read back: a recorded failure moves with the state and raises at
+    the first host-side look.
 
     Args:
-        state: A host or device state; a recorded failure raises.
+        state: A host or device state.
         device: The GPU to put it on; the current device when omitted.
 
     Raises:
-        ScaleCollapseError: ``state`` has a recorded failure.
+        InvalidArgumentError: ``state`` is not a :class:`~scaler_core.ScalerState`.
     """
-    host = state.to_host()
     with _NoContext() if device is None else cupy.cuda.Device(device):
-        values = [
-            _XP.asarray(host.scale, dtype=np.float32),
-            *(_XP.asarray(getattr(host, n), dtype=np.int32) for n in DATA_FIELDS[1:]),
-        ]
-    return ScalerState(host.config, *values)
+        return convert_fields(
+            state,
+            lambda v: _XP.asarray(_on_current(v), dtype=np.float32),
+            lambda v: _XP.asarray(_on_current(v), dtype=np.int32),
+        )
+
+
+def _on_current(value: Any) -> Any:
+    """A CuPy array moved to the current device if it lives on another (device to device)."""
+    if isinstance(value, _NDARRAY) and value.device.id != cupy.cuda.runtime.getDevice():
+        return cupy.array(value, copy=True)  # allocated on the current device
+    return value
 
 
 # ---------------------------------------------------------------- the backend
@@ -436,12 +451,11 @@ def _device_flag(found: Any, what: str = "found") -> Any:
     if isinstance(found, _NDARRAY):
         if found.shape == () and found.dtype == np.bool_:
             return found
-    elif isinstance(found, (bool, np.bool_)):
-        return cupy.full((), bool(found), dtype=np.bool_)
-    raise GradientTypeError(
-        f"{what}={_describe(found)}, but it must be a bool or a 0-d cupy bool array; pass the "
-        f"flag returned by unscale() or find_non_finite()"
-    )
+        raise flag_error(what, _describe(found))
+    host = host_flag(found, what)
+    if host is None:
+        raise flag_error(what, _describe(found))
+    return cupy.full((), host, dtype=np.bool_)
 
 
 def _describe(value: Any) -> str:
@@ -452,42 +466,11 @@ def _describe(value: Any) -> str:
 
 
 def _where(flag: Any, a: Any, b: Any) -> Any:
-    if a.dtype == b.dtype and a.shape == b.shape and a.dtype.itemsize in _UINT:
+    if a.dtype.itemsize in _UINT:
         # Select the bits, so NaN payloads and -0.0 survive exactly (any float dtype).
         u = _UINT[a.dtype.itemsize]
         return cupy.where(flag, a.view(u), b.view(u)).view(a.dtype)
     return cupy.where(flag, a, b)
-
-
-def _map2(fn: Callable[[Any, Any], Any], a: Any, b: Any, path: str) -> Any:
-    if a is None and b is None:
-        return None
-    if isinstance(a, Mapping) and isinstance(b, Mapping):
-        if list(a.keys()) != list(b.keys()):
-            raise GradientValueError(
-                f"{path} has keys {list(a.keys())!r} in on_skip but {list(b.keys())!r} in "
-                f"on_step; select() needs two trees of the same structure"
-            )
-        return type(a)(  # type: ignore[call-arg]
-            {k: _map2(fn, a[k], b[k], f"{path}[{k!r}]") for k in a}
-        )
-    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
-        if type(a) is not type(b) or len(a) != len(b):
-            raise GradientValueError(
-                f"{path} is a {type(a).__name__} of {len(a)} in on_skip but a "
-                f"{type(b).__name__} of {len(b)} in on_step; select() needs two trees of the "
-                f"same structure"
-            )
-        items = [_map2(fn, x, y, f"{path}[{i}]") for i, (x, y) in enumerate(zip(a, b, strict=True))]
-        if isinstance(a, tuple) and hasattr(a, "_fields"):
-            return type(a)(*items)
-        return type(a)(items)
-    if isinstance(a, _NDARRAY) and isinstance(b, _NDARRAY):
-        return fn(a, b)
-    raise GradientTypeError(
-        f"{path} is a {type(a).__qualname__} in on_skip and a {type(b).__qualname__} in "
-        f"on_step; select() needs cupy arrays (or None) at the same places in both trees"
-    )
 
 
 class CupyBackend:
@@ -541,9 +524,25 @@ class CupyBackend:
         return cupy.multiply(wide, factor)
 
     def select(self, found: Any, on_skip: Any, on_step: Any) -> Any:
-        """See :meth:`scaler_core.Backend.select`: ``cupy.where`` leaf by leaf, no sync."""
+        """See :meth:`scaler_core.Backend.select`: ``cupy.where`` leaf by leaf, no sync.
+
+        Raises:
+            InvalidArgumentError: The trees differ in structure, a leaf is not
+                a CuPy array, or a pair of leaves differs in shape or dtype.
+        """
         flag = _device_flag(found)
-        return _map2(lambda a, b: _where(flag, a, b), on_skip, on_step, "tree")
+
+        def choose(path: str, a: Any, b: Any) -> Any:
+            if not (isinstance(a, _NDARRAY) and isinstance(b, _NDARRAY)):
+                raise InvalidArgumentError(
+                    f"{path} is a {type(b).__qualname__} in on_step and a "
+                    f"{type(a).__qualname__} in on_skip; select() needs cupy arrays (or None) "
+                    f"at the same places in both trees"
+                )
+            check_select_pair(path, a, b)
+            return _where(flag, a, b)
+
+        return map_pairs(choose, on_skip, on_step)
 
     def any(self, *flags: Any) -> Any:
         """See :meth:`scaler_core.Backend.any`: a 0-d device bool."""
@@ -570,46 +569,61 @@ class CupyBackend:
 
 
 # ------------------------------------------------------------- multi-GPU
-def nccl_reduce_found(comm: Any, *, stream: Any = None) -> Callable[[Any], Any]:
-    """A ``reduce_found`` that ORs the found flag across the ranks of an NCCL communicator.
+def reduce_found(found: Any, comm: Any, *, stream: Any = None) -> Any:
+    """The OR of ``found`` across the ranks of an NCCL communicator, as a device flag.
 
-    One 1-byte ``allReduce`` (max) per step, enqueued on the stream; nothing is
-    read back to the host, so every rank gets the same flag and takes the same
-    skip decision. Pass it to ``GradScaler(reduce_found=...)`` or call it on the
-    flag yourself before :func:`scaler_core.update`.
+    One 1-byte ``allReduce`` (max) enqueued on the stream; nothing is read back
+    to the host, so every rank gets the same flag and takes the same skip
+    decision. Every rank must call it once per step.
 
     Args:
+        found: This rank's flag (a 0-d CuPy bool array, or a host bool).
         comm: A ``cupy.cuda.nccl.NcclCommunicator`` (anything with its
             ``allReduce(sendbuf, recvbuf, count, datatype, op, stream)``).
         stream: The CuPy stream to enqueue on; the current stream when omitted.
 
     Returns:
-        A function from a local flag to the reduced 0-d device bool.
+        A 0-d CuPy bool array, the same on every rank.
 
     Raises:
-        InvalidConfigError: ``comm`` has no ``allReduce``, or ``stream`` is not a
-            CuPy stream.
+        InvalidArgumentError: ``comm`` has no ``allReduce``, or ``stream`` is
+            not a CuPy stream.
+        GradientTypeError: ``found`` is not a flag.
     """
+    _check_nccl(comm, stream)
+    return _nccl_or(found, comm, stream)
+
+
+def _check_nccl(comm: Any, stream: Any) -> None:
     if not callable(getattr(comm, "allReduce", None)):
-        raise InvalidConfigError(
+        raise InvalidArgumentError(
             f"comm={_describe(comm)}, but it must be a cupy.cuda.nccl.NcclCommunicator (with an "
             f"allReduce method); create one per rank with NcclCommunicator(n_ranks, uid, rank)"
         )
     if stream is not None and not isinstance(stream, cupy.cuda.Stream):
-        raise InvalidConfigError(
+        raise InvalidArgumentError(
             f"stream={_describe(stream)}, but it must be a cupy.cuda.Stream or None "
             f"(the current stream)"
         )
-    constants = _nccl_constants()
 
-    def reduce_found(found: Any) -> Any:
-        flag = _device_flag(found)
-        buf = flag.astype(np.uint8)
-        s = cupy.cuda.get_current_stream() if stream is None else stream
-        comm.allReduce(buf.data.ptr, buf.data.ptr, 1, *constants, s.ptr)
-        return buf.astype(np.bool_)
 
-    return reduce_found
+def _nccl_or(found: Any, comm: Any, stream: Any) -> Any:
+    buf = _device_flag(found).astype(np.uint8)
+    s = cupy.cuda.get_current_stream() if stream is None else stream
+    comm.allReduce(buf.data.ptr, buf.data.ptr, 1, *_nccl_constants(), s.ptr)
+    return buf.astype(np.bool_)
+
+
+def found_reducer(comm: Any, *, stream: Any = None) -> Callable[[Any], Any]:
+    """:func:`reduce_found` over ``comm`` as a hook for ``GradScaler(reduce_found=...)``.
+
+    ``comm`` and ``stream`` are checked now, not at the first step.
+
+    Raises:
+        InvalidArgumentError: As :func:`reduce_found`.
+    """
+    _check_nccl(comm, stream)
+    return functools.partial(_nccl_or, comm=comm, stream=stream)
 
 
 @functools.cache

@@ -10,7 +10,7 @@ dataclasses, equinox modules); ``None`` leaves are skipped, as
 
 Detection reduces ``y - y`` (0 for a finite ``y``, NaN for NaN or +-inf) with a
 float sum: exact, because every term is 0 or NaN, and much faster on XLA's CPU
-backend than a boolean ``all(isfinite(y))`` (see PERF_NOTES). Large leaves are
+backend than a boolean ``all(isfinite(y))`` (4-10x, measured on a 2-core CPU). Large leaves are
 reduced where they are, so a global sharded array stays sharded (each device
 reduces its shard and XLA adds the partials); leaves of at most
 :data:`SMALL_LEAF` elements are unscaled again and reduced together in one flat
@@ -25,19 +25,23 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from scaler_core.backends._numpy import _ACCEPTED, _HALF, FLOAT_DTYPES, inv_scale_of
 
-from scaler_core._errors import GradientTypeError, GradientValueError
-from scaler_core._state import DATA_FIELDS, ScalerState, device_update, register_pytree
+from scaler_core._errors import GradientTypeError, GradientValueError, InvalidArgumentError
+from scaler_core._state import (
+    ScalerState,
+    convert_fields,
+    device_update,
+    register_pytree,
+)
 
-__all__ = ["BACKEND", "JaxBackend", "jax_leaves", "non_finite", "to_device"]
+from ._common import HALF_DTYPES, LeafKind, check_select_pair, flag_error, host_flag, inv_scale_of
+
+__all__ = ["BACKEND", "LEAVES", "JaxBackend", "jax_leaves", "non_finite", "to_device"]
 
 register_pytree()
 
-_FLAG_MUST = (
-    "it must be a bool or a 0-d boolean array; pass the flag returned by unscale() or "
-    "find_non_finite()"
-)
+#: JAX gradient leaves.
+LEAVES = LeafKind("jax", jax.Array, "jax.Array", "jnp", "jnp.asarray(x)")
 
 
 def _is_traced(x: Any) -> bool:
@@ -57,16 +61,7 @@ def jax_leaves(grads: Any, root: str = "grads") -> tuple[list[Any], Any, list[st
     leaves, paths = [], []
     for key, leaf in with_paths:
         path = root + jax.tree_util.keystr(key)
-        if not isinstance(leaf, jax.Array):
-            raise GradientTypeError(
-                f"{path} is a {type(leaf).__qualname__}, but the jax backend needs jax.Array "
-                f"leaves of dtype {_ACCEPTED}; convert it with jnp.asarray(x)"
-            )
-        if np.dtype(leaf.dtype) not in FLOAT_DTYPES:
-            raise GradientTypeError(
-                f"{path} has dtype {leaf.dtype}, but gradients must be {_ACCEPTED}; "
-                f"cast it with .astype(jnp.float32) or leave it out of the tree"
-            )
+        LEAVES.check(path, leaf)
         leaves.append(leaf)
         paths.append(path)
     return leaves, treedef, paths
@@ -144,18 +139,19 @@ def _inv_scale(scale: Any) -> tuple[jax.Array, bool]:
 
 def _unscale_leaf(g: jax.Array, inv: jax.Array) -> jax.Array:
     dtype = np.dtype(g.dtype)
-    if dtype in _HALF:
+    if dtype in HALF_DTYPES:
         return (g.astype(jnp.float32) * inv).astype(dtype)
     return g * inv.astype(dtype)
 
 
 def _flag(found: Any, what: str = "found") -> jax.Array:
     """``found`` as a 0-d boolean JAX array, or a clear error."""
-    if isinstance(found, (bool, np.bool_)):
-        return jnp.asarray(bool(found))
-    if isinstance(found, (jax.Array, np.ndarray)) and found.shape == () and found.dtype == bool:
-        return jnp.asarray(found)
-    raise GradientTypeError(f"{what}={found!r}, but {_FLAG_MUST}")
+    host = host_flag(found, what)
+    if host is not None:
+        return jnp.asarray(host)
+    if isinstance(found, jax.Array) and found.shape == () and found.dtype == bool:
+        return found
+    raise flag_error(what, repr(found))
 
 
 def to_device(state: ScalerState) -> ScalerState:
@@ -163,16 +159,17 @@ def to_device(state: ScalerState) -> ScalerState:
 
     Pass a device state to ``jax.jit``: Python scalars would be traced as weakly
     typed values and the first step's output (strongly typed) would retrace.
-    A recorded failure is kept, not raised.
+    Nothing is read back: a recorded failure moves with the state and raises at
+    the first host-side look. Works inside ``jax.jit`` too.
+
+    Raises:
+        InvalidArgumentError: ``state`` is not a :class:`~scaler_core.ScalerState`.
     """
-    if not isinstance(state, ScalerState):
-        raise GradientTypeError(
-            f"state={state!r}, but it must be a ScalerState; build one with scaler_core.init()"
-        )
-    values = {"scale": jnp.asarray(state.scale, dtype=jnp.float32)}
-    for name in DATA_FIELDS[1:]:
-        values[name] = jnp.asarray(getattr(state, name), dtype=jnp.int32)
-    return ScalerState(config=state.config, **values)
+    return convert_fields(
+        state,
+        lambda v: jnp.asarray(v, dtype=jnp.float32),
+        lambda v: jnp.asarray(v, dtype=jnp.int32),
+    )
 
 
 class JaxBackend:
@@ -211,30 +208,21 @@ class JaxBackend:
         ``on_step``'s, with no host synchronisation (``jnp.where``).
 
         Raises:
-            GradientTypeError: The trees differ in structure, or a pair of
+            InvalidArgumentError: The trees differ in structure, or a pair of
                 leaves differs in shape or dtype.
         """
         flag = _flag(found)
         skip, skip_def = jax.tree_util.tree_flatten(on_skip)
-        step, step_def = jax.tree_util.tree_flatten(on_step)
-        if skip_def != step_def:  # type: ignore[operator]
-            raise GradientTypeError(
-                f"on_skip has structure {skip_def} but on_step has {step_def}; select needs "
-                f"two trees of one structure (the old and the updated values)"
+        step_paths, step_def = jax.tree_util.tree_flatten_with_path(on_step)
+        if skip_def != step_def:  # type: ignore[operator, unused-ignore]
+            raise InvalidArgumentError(
+                f"on_step has structure {step_def} but on_skip has {skip_def}; select() needs "
+                f"two trees of the same structure (the old values and the updated ones)"
             )
-        paths = [
-            "on_step" + jax.tree_util.keystr(k)
-            for k, _ in jax.tree_util.tree_flatten_with_path(on_step)[0]
-        ]
         out = []
-        for path, a, b in zip(paths, skip, step, strict=True):
+        for (key, b), a in zip(step_paths, skip, strict=True):
             a_arr, b_arr = jnp.asarray(a), jnp.asarray(b)
-            if a_arr.shape != b_arr.shape or a_arr.dtype != b_arr.dtype:
-                raise GradientTypeError(
-                    f"{path} has shape {b_arr.shape} and dtype {b_arr.dtype}, but on_skip has "
-                    f"{a_arr.shape} and {a_arr.dtype}; select keeps shapes and dtypes, so "
-                    f"cast the updated value back to the old one's dtype"
-                )
+            check_select_pair("on_step" + jax.tree_util.keystr(key), a_arr, b_arr)
             out.append(jnp.where(flag, a_arr, b_arr))
         return jax.tree_util.tree_unflatten(step_def, out)
 
@@ -265,10 +253,6 @@ class JaxBackend:
         A failing step records ``state.failure`` instead of raising; the first
         host-side look (``check``, ``current_scale``, ``to_dict``) raises it.
         """
-        if not isinstance(state, ScalerState):
-            raise GradientTypeError(
-                f"state={state!r}, but it must be a ScalerState; build one with scaler_core.init()"
-            )
         return device_update(jnp, state, _flag(found, "found_non_finite"))
 
 

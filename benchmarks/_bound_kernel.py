@@ -14,7 +14,8 @@ from typing import Any
 import numba
 import numpy as np
 from numba import njit, prange
-from scaler_core.backends._numpy_jit import _voidptr
+
+from scaler_core.backends._numpy_kernels import _voidptr
 
 __all__ = ["Table"]
 

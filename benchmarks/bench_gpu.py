@@ -107,7 +107,7 @@ def build_contenders(
 ) -> dict[str, Any]:
     """``name -> (kind, step(i), wait)``, every contender ready and warmed up."""
     import scaler_core as sc  # noqa: PLC0415 - after XLA_PYTHON_CLIENT_PREALLOCATE is set
-    from scaler_core.gpu import state_to_device  # noqa: PLC0415
+    from scaler_core.cupy import to_device  # noqa: PLC0415
 
     rng = np.random.default_rng(0)
     grads = [cupy.asarray(rng.standard_normal(s, dtype=np.float32)) for s in shapes]
@@ -115,7 +115,7 @@ def build_contenders(
     src = cupy.empty(total, np.uint8)
     dst = cupy.empty(total, np.uint8)
     cp_backend = sc.get_backend("cupy")
-    dev_scales = [state_to_device(sc.init(sc.ScalerConfig(init_scale=s))).scale for s in SCALES]
+    dev_scales = [to_device(sc.init(sc.ScalerConfig(init_scale=s))).scale for s in SCALES]
     out: dict[str, Any] = {}
 
     def copy(i: int) -> None:

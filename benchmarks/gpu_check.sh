@@ -5,14 +5,14 @@
 #     bash benchmarks/gpu_check.sh OUTDIR
 # It (1) installs scaler-core from this working tree into $PYTHON (default python3) with pip
 # --no-index --no-deps --no-build-isolation (falling back to a copied package on PYTHONPATH if
-# pip cannot), (2) runs the CuPy tests (+ the README test) on the GPU, (3) runs
+# pip cannot), (2) runs the CuPy tests (+ the docs pages' CuPy examples) on the GPU, (3) runs
 # benchmarks/bench_gpu.py on both sets, (4) runs the JAX tests on the GPU, (5) optionally reruns
 # the 2000-array set with the JAX contenders, and (6) prints a summary. Each stage runs even if
 # an earlier one failed; a global deadline (GPU_CHECK_BUDGET_S, default 450 s) keeps the whole
 # run under 8 minutes. Written under OUTDIR:
 #     gpu_check.log            everything printed
 #     env.txt                  GPU, driver and library versions
-#     pytest-cupy.{log,xml}    CuPy backend tests (and the README test) on the GPU
+#     pytest-cupy.{log,xml}    CuPy backend tests (and the docs pages' CuPy examples) on the GPU
 #     pytest-jax.{log,xml}     JAX backend tests on the GPU
 #     bench_gpu-SET.json       benchmark results per set
 #     summary.json             stage results, test counts, benchmark goals
@@ -134,8 +134,11 @@ OK=$INSTALLED
 # rather than turned into errors (CI on the CPU keeps them errors): a third-party deprecation
 # must not void this one-shot run.
 PYTEST=("$PY" -P -m pytest -p no:cacheprovider -rs -v -W default)
-cupy_tests=(tests/test_cupy_gpu.py tests/test_cupy_cpu.py)
-[[ -f tests/test_readme.py ]] && cupy_tests+=(tests/test_readme.py)
+# The GPU tests, the CuPy rows of the backend contract suite (every check on the GPU), and
+# the docs pages' CuPy examples.
+cupy_tests=(tests/backends/test_cupy_gpu.py tests/backends/test_cupy_cpu.py
+    tests/backends/test_contract.py)
+[[ -f tests/docs/test_pages.py ]] && cupy_tests+=(tests/docs/test_pages.py)
 stage pytest-cupy 200 "$OUT/pytest-cupy.log" "${PYTEST[@]}" --junitxml="$OUT/pytest-cupy.xml" \
     "${cupy_tests[@]}" || OK=0
 tail -n 40 "$OUT/pytest-cupy.log"
@@ -149,13 +152,13 @@ stage bench-2000x1024 60 - "$PY" -P benchmarks/bench_gpu.py --sets 2000x1024 --n
     --json "$OUT/bench_gpu-2000x1024.json" || OK=0
 
 # ------------------------------------------------------------------ JAX tests
-mapfile -t jax_tests < <(ls tests/test_jax*.py 2>/dev/null)
+mapfile -t jax_tests < <(ls tests/*/test_jax*.py 2>/dev/null)
 if ((${#jax_tests[@]})); then
     stage pytest-jax 200 "$OUT/pytest-jax.log" "${PYTEST[@]}" --junitxml="$OUT/pytest-jax.xml" \
         "${jax_tests[@]}" || OK=0
     tail -n 40 "$OUT/pytest-jax.log"
 else
-    note pytest-jax "not run: no tests/test_jax*.py in this tree" 0
+    note pytest-jax "not run: no tests/*/test_jax*.py in this tree" 0
 fi
 
 # Optional: the 2000-array set again with the JAX contenders (replaces the numbers above if it

@@ -3,7 +3,7 @@
 Run with:  mpiexec -n 4 python benchmarks/mpi_found_reduce.py
 
 Per call, median over interleaved rounds (every contender runs once per round, in turn, so
-drift hits all of them alike): ``allreduce_found`` against the bare 1-byte ``MPI_Allreduce``
+drift hits all of them alike): ``reduce_found`` against the bare 1-byte ``MPI_Allreduce``
 it wraps and the pickle-based ``comm.allreduce``; ``check_consistent`` on the state alone and
 with a 4 MB parameter tree; ``fingerprint`` alone. Rank 0 prints the table.
 """
@@ -19,7 +19,7 @@ import numpy as np
 from mpi4py import MPI
 
 import scaler_core as sc
-from scaler_core.distributed import allreduce_found, check_consistent, fingerprint
+from scaler_core.mpi import check_consistent, fingerprint, reduce_found
 
 comm = MPI.COMM_WORLD
 rank, size = comm.Get_rank(), comm.Get_size()
@@ -36,7 +36,7 @@ def bare() -> None:
 
 CONTENDERS: dict[str, tuple[Callable[[], object], int]] = {
     "MPI_Allreduce, 1 byte (bare)": (bare, 200),
-    "allreduce_found": (lambda: allreduce_found(flag, comm), 200),
+    "reduce_found": (lambda: reduce_found(flag, comm), 200),
     "comm.allreduce (pickle)": (lambda: comm.allreduce(bool(flag), op=MPI.LOR), 200),
     "check_consistent(state)": (lambda: check_consistent(state, comm), 200),
     "fingerprint(state)": (lambda: fingerprint(state), 200),

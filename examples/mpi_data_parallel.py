@@ -12,7 +12,7 @@ import numpy as np
 from mpi4py import MPI
 
 import scaler_core as sc
-from scaler_core.distributed import abort_on_error, check_consistent, found_reducer
+from scaler_core.mpi import abort_on_error, check_consistent, found_reducer
 
 comm = MPI.COMM_WORLD
 rank, size = comm.Get_rank(), comm.Get_size()

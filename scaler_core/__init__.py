@@ -13,42 +13,89 @@ library; backends for NumPy (default), CuPy and JAX load lazily.
 ([1.0], 1)
 """
 
-from ._api import find_non_finite, unscale, update
-from ._backend import Backend, available_backends, backend_for, get_backend, register_backend
-from ._config import ScalerConfig
-from ._errors import (
+import os as _os
+
+# A source checkout keeps the backends beside this package, in backends/; the wheel
+# installs them inside it, as scaler_core/backends/. Run from a checkout (no
+# backends/ here, a sibling backends/ holding _common.py), that folder is loaded as
+# scaler_core.backends, so a checkout imports exactly what the wheel holds.
+_HERE = _os.path.dirname(__file__)
+_CHECKOUT_BACKENDS = _os.path.join(_os.path.dirname(_HERE), "backends")
+if not _os.path.isdir(_os.path.join(_HERE, "backends")) and _os.path.isfile(
+    _os.path.join(_CHECKOUT_BACKENDS, "_common.py")
+):
+    import importlib.util as _util
+    import sys as _sys
+
+    _spec = _util.spec_from_file_location(
+        f"{__name__}.backends",
+        _os.path.join(_CHECKOUT_BACKENDS, "__init__.py"),
+        submodule_search_locations=[_CHECKOUT_BACKENDS],
+    )
+    if _spec is not None and _spec.loader is not None:
+        # Bound as an attribute too, as an import of the submodule would bind it.
+        _sys.modules[_spec.name] = backends = _util.module_from_spec(_spec)
+        _spec.loader.exec_module(backends)
+    del _spec, _sys, _util
+del _HERE, _CHECKOUT_BACKENDS, _os
+
+from ._api import find_non_finite, unscale, update  # noqa: E402
+from ._backend import (  # noqa: E402
+    Backend,
+    available_backends,
+    backend_for,
+    get_backend,
+    register_backend,
+)
+from ._config import ScalerConfig  # noqa: E402
+from ._errors import (  # noqa: E402
+    BackendContractError,
     BackendUnavailableError,
     GradientTypeError,
     GradientValueError,
+    InvalidArgumentError,
     InvalidConfigError,
     InvalidGradientError,
     InvalidStateError,
     LifecycleError,
+    MissingDependencyError,
+    PolicyViolationError,
     ReplicaMismatchError,
     ReplicaTimeoutError,
     ScaleCollapseError,
     ScalerError,
     SkipLimitError,
+    TraceError,
 )
-from ._lifecycle import GradScaler
-from ._presets import PRESETS, PresetInfo, preset
-from ._serialize import from_dict, from_torch_state_dict, to_dict, to_torch_state_dict
-from ._state import Failure, ScalerState, StepKind, classify, device_update, init
+from ._lifecycle import GradScaler, StepPhase  # noqa: E402
+from ._presets import PRESETS, PresetInfo, preset  # noqa: E402
+from ._serialize import (  # noqa: E402
+    from_dict,
+    from_torch_state_dict,
+    to_dict,
+    to_torch_state_dict,
+)
+from ._state import Failure, ScalerState, StepKind, classify, device_update, init  # noqa: E402
 
+#: The one place the version is written (pyproject.toml reads it from here).
 __version__ = "0.1.0"
 
-__all__ = [  # noqa: RUF022 - plain sorted(), which tests/test_public_api.py checks
+__all__ = [  # noqa: RUF022 - plain sorted(), which tests/core/test_public_api.py checks
     "Backend",
+    "BackendContractError",
     "BackendUnavailableError",
     "Failure",
     "GradScaler",
     "GradientTypeError",
     "GradientValueError",
+    "InvalidArgumentError",
     "InvalidConfigError",
     "InvalidGradientError",
     "InvalidStateError",
     "LifecycleError",
+    "MissingDependencyError",
     "PRESETS",
+    "PolicyViolationError",
     "PresetInfo",
     "ReplicaMismatchError",
     "ReplicaTimeoutError",
@@ -58,6 +105,8 @@ __all__ = [  # noqa: RUF022 - plain sorted(), which tests/test_public_api.py che
     "ScalerState",
     "SkipLimitError",
     "StepKind",
+    "StepPhase",
+    "TraceError",
     "available_backends",
     "backend_for",
     "classify",

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from ._backend import Backend, backend_for, resolve_backend
-from ._state import ScalerState, host_flag, host_update
+from ._state import ScalerState, host_flag, host_update, require_state
 
 __all__ = ["find_non_finite", "unscale", "update"]
 
@@ -42,6 +42,7 @@ def update(state: ScalerState, found_non_finite: Any) -> ScalerState:
             off at a floor configured with ``at_min_scale="raise"``.
         SkipLimitError: (host) The step would pass ``max_consecutive_skips``.
         GradientTypeError: ``found_non_finite`` is not a boolean flag.
+        InvalidArgumentError: ``state`` is not a :class:`ScalerState`.
 
     >>> from scaler_core import ScalerConfig, init
     >>> s = init(ScalerConfig(growth_interval=2))
@@ -52,7 +53,7 @@ def update(state: ScalerState, found_non_finite: Any) -> ScalerState:
     65536.0
     """
     flag = host_flag(found_non_finite)
-    if flag is not None and state.on_host:
+    if flag is not None and require_state(state).on_host:
         return host_update(state, flag)
     owner = found_non_finite if flag is None else state.scale
     return backend_for(owner).update(state, found_non_finite)

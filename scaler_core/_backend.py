@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
-from ._errors import BackendUnavailableError, GradientTypeError
+from ._errors import BackendUnavailableError, GradientTypeError, InvalidArgumentError
 from ._state import ScalerState
 from ._tree import leaves_with_paths
 
@@ -139,25 +139,30 @@ def register_backend(
         replace: Allow replacing an existing registration.
 
     Raises:
-        ValueError: ``name`` is taken (and ``replace`` is false), or a module is
-            already owned by another backend.
+        InvalidArgumentError: ``name`` is not a non-empty str, ``name`` is taken
+            (and ``replace`` is false), or a module is already owned by another
+            backend.
 
     >>> register_backend("mylib", lambda: get_backend("numpy"), array_modules=["mylib"])
     >>> get_backend("mylib").name
     'numpy'
     """
     if not isinstance(name, str) or not name:
-        raise BackendUnavailableError(f"name={name!r}, but it must be a non-empty str")
+        raise InvalidArgumentError(f"name={name!r}, but it must be a non-empty str")
+    if not callable(loader):
+        raise InvalidArgumentError(
+            f"loader={loader!r}, but it must be a callable that returns the backend"
+        )
     modules = tuple(array_modules)
     with _LOCK:
         if name in _REGISTRY and not replace:
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"name={name!r} is already a registered backend; pass replace=True to replace it"
             )
         for other, entry in _REGISTRY.items():
             clash = set(entry.array_modules) & set(modules)
             if other != name and clash:
-                raise ValueError(
+                raise InvalidArgumentError(
                     f"array_modules={sorted(clash)!r} already belong to backend {other!r}"
                 )
         _REGISTRY[name] = _Entry(loader, modules)
@@ -173,12 +178,21 @@ def _load_module_backend(module: str) -> Callable[[], Backend]:
 
 
 register_backend(
-    "numpy", _load_module_backend("scaler_core.backends._numpy_fused"), array_modules=["numpy"]
+    "numpy", _load_module_backend("scaler_core.backends._numpy"), array_modules=["numpy"]
 )
 register_backend("cupy", _load_module_backend("scaler_core.backends._cupy"), array_modules=["cupy"])
 register_backend(
     "jax", _load_module_backend("scaler_core.backends._jax"), array_modules=["jax", "jaxlib"]
 )
+
+
+#: How to get each built-in backend's library, for the error when it does not load.
+_INSTALL = {
+    "numpy": "numpy and ml_dtypes come with scaler-core: reinstall it (pip install scaler-core)",
+    "cupy": "install it with pip install 'scaler-core[cupy]' (CUDA 13) or "
+    "'scaler-core[cupy-cuda12]'",
+    "jax": "install it with pip install 'scaler-core[jax]'",
+}
 
 
 def get_backend(name: str | Backend = "numpy") -> Backend:
@@ -187,11 +201,12 @@ def get_backend(name: str | Backend = "numpy") -> Backend:
     Raises:
         BackendUnavailableError: ``name`` is unknown, or its library is not
             installed (the message says what to install).
+        InvalidArgumentError: ``name`` is neither a str nor a Backend.
     """
     if not isinstance(name, str):
         if isinstance(name, Backend):
             return name
-        raise BackendUnavailableError(
+        raise InvalidArgumentError(
             f"backend={name!r}, but it must be a backend name {sorted(_REGISTRY)!r} or a Backend"
         )
     loaded = _LOADED.get(name)
@@ -208,10 +223,8 @@ def get_backend(name: str | Backend = "numpy") -> Backend:
     except ImportError as exc:
         if isinstance(exc, BackendUnavailableError):
             raise
-        raise BackendUnavailableError(
-            f"backend={name!r} is unavailable: {exc}. Install it with "
-            f"pip install 'scaler-core[{name}]'"
-        ) from exc
+        hint = _INSTALL.get(name, "install the library its array types come from")
+        raise BackendUnavailableError(f"backend={name!r} is unavailable: {exc}; {hint}") from exc
     with _LOCK:
         _LOADED[name] = backend
     return backend

@@ -8,18 +8,23 @@ catch (``ValueError`` for bad values, ``TypeError`` for bad types, ...), so
 from __future__ import annotations
 
 __all__ = [
+    "BackendContractError",
     "BackendUnavailableError",
     "GradientTypeError",
     "GradientValueError",
+    "InvalidArgumentError",
     "InvalidConfigError",
     "InvalidGradientError",
     "InvalidStateError",
     "LifecycleError",
+    "MissingDependencyError",
+    "PolicyViolationError",
     "ReplicaMismatchError",
     "ReplicaTimeoutError",
     "ScaleCollapseError",
     "ScalerError",
     "SkipLimitError",
+    "TraceError",
 ]
 
 
@@ -33,6 +38,20 @@ class InvalidConfigError(ScalerError, ValueError):
 
 class InvalidStateError(ScalerError, ValueError):
     """A state or a serialised state (checkpoint) is malformed or out of range."""
+
+
+class InvalidArgumentError(ScalerError, ValueError, TypeError):
+    """An argument that is not a config, a state or a gradient is wrong.
+
+    A communicator without the methods needed, an ``axis_name`` of ``None``, a
+    policy that is not callable, a backend name already taken, trees of
+    different structures passed to ``select``, a bad command-line setting. Both
+    a ``ValueError`` and a ``TypeError``, so either ``except`` catches it.
+    """
+
+
+class TraceError(ScalerError, ValueError):
+    """A trace for :mod:`scaler_core.simulate` is missing, malformed or empty."""
 
 
 class ScaleCollapseError(ScalerError, ArithmeticError):
@@ -65,15 +84,30 @@ class GradientValueError(InvalidGradientError, ValueError):
     """A gradient leaf has a supported type but cannot be used (e.g. read-only)."""
 
 
-class BackendUnavailableError(ScalerError, ImportError):
+class MissingDependencyError(ScalerError, ImportError):
+    """An optional package that a feature needs is not installed.
+
+    The message names the package and the extra that installs it.
+    """
+
+
+class BackendUnavailableError(MissingDependencyError):
     """The requested backend is unknown, or its array library is not installed."""
+
+
+class PolicyViolationError(ScalerError, AssertionError):
+    """A scale policy broke a property checked by :func:`scaler_core.testing.check_policy`."""
+
+
+class BackendContractError(ScalerError, AssertionError):
+    """A backend broke the Backend contract (:func:`scaler_core.testing.check_backend`)."""
 
 
 class ReplicaMismatchError(ScalerError, RuntimeError):
     """Data-parallel replicas hold different scaler states or parameters.
 
     Raised on every replica at once by
-    :func:`scaler_core.distributed.check_consistent`, so no replica is left
+    :func:`scaler_core.mpi.check_consistent`, so no replica is left
     waiting in a collective. ``groups`` lists the ranks that agree with each
     other (one list per distinct fingerprint); ``differences`` maps each field
     or parameter that differs to ``{rank: value}``.
@@ -95,6 +129,6 @@ class ReplicaTimeoutError(ScalerError, TimeoutError):
 
     One replica has stopped: it raised, left its training loop early (uneven
     data shards), or waits in a different collective. The communicator cannot
-    be used any more; abort the job (:func:`scaler_core.distributed.abort_on_error`
+    be used any more; abort the job (:func:`scaler_core.mpi.abort_on_error`
     does it when this error reaches it).
     """

@@ -3,24 +3,132 @@
 It holds the current state and backend and enforces the order of one training
 step: scale the loss, backward, unscale each gradient group once, decide
 whether to skip, (clip,) step the optimizer only if not skipping, update once.
+
+Every ordering rule is one entry of :data:`TRANSITIONS`: for each
+:class:`StepPhase` and each call, either the phase the call leads to or the
+message of the :class:`~scaler_core.LifecycleError` that refuses it. A call
+looks its entry up *before* doing any work, so a refused call changes nothing.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable
+import enum
+from collections.abc import Callable, Hashable, Mapping
+from types import MappingProxyType
 from typing import Any, TypeVar
 
 from ._api import update as _update
 from ._backend import Backend, backend_for, get_backend
 from ._config import ScalerConfig
-from ._errors import InvalidStateError, LifecycleError
+from ._errors import InvalidArgumentError, InvalidStateError, LifecycleError
 from ._serialize import from_dict, to_dict
 from ._state import ScalerState, start_state
 
-__all__ = ["GradScaler"]
+__all__ = ["TRANSITIONS", "Call", "GradScaler", "StepPhase"]
 
 T = TypeVar("T")
 DEFAULT_GROUP = "default"
+
+
+class StepPhase(enum.Enum):
+    """Where a :class:`GradScaler` is within one training step."""
+
+    #: No gradients checked since the last ``update()`` (or ever).
+    READY = "ready"
+    #: Some gradient groups unscaled or checked; the skip decision is not taken.
+    CHECKING = "checking"
+    #: The skip decision was read (``should_skip_step()``).
+    DECIDED = "decided"
+    #: ``step()`` ran (or skipped the optimizer).
+    STEPPED = "stepped"
+
+
+class Call(enum.Enum):
+    """The facade's calls, as :data:`TRANSITIONS` names them."""
+
+    SCALE_LOSS = "scale_loss()"
+    UNSCALE = "unscale()"
+    #: ``unscale()`` of a group already unscaled in this step.
+    UNSCALE_AGAIN = "unscale() again"
+    DETECT = "detect()"
+    SHOULD_SKIP_STEP = "should_skip_step()"
+    STEP = "step()"
+    UPDATE = "update()"
+    STATE_DICT = "state_dict()"
+    LOAD_STATE_DICT = "load_state_dict()"
+
+
+_NO_CHECKS = (
+    "No inf checks were recorded prior to {call}; call unscale(grads) or detect(grads) on "
+    "this step's gradients first"
+)
+_AGAIN = (
+    "unscale() has already been called on group {group!r} since the last update(); unscale "
+    "each group once per step, after all of its gradients are accumulated"
+)
+_LATE = (
+    "{call} was called after the skip decision of this step was taken (should_skip_step() "
+    "or step()); check every group first, then decide"
+)
+_STEP_TWICE = (
+    "step() has already been called since the last update(); call update() to end the step "
+    "before stepping again"
+)
+_MID_STEP = (
+    "{call} was called in the middle of a step (gradients were checked but update() was not "
+    "called); call it after update()"
+)
+
+_P = StepPhase
+#: For each phase and call: the phase the call leads to, or the message refusing it.
+TRANSITIONS: Mapping[StepPhase, Mapping[Call, StepPhase | str]] = MappingProxyType(
+    {
+        _P.READY: {
+            Call.SCALE_LOSS: _P.READY,
+            Call.UNSCALE: _P.CHECKING,
+            Call.UNSCALE_AGAIN: _AGAIN,  # never reached: update() forgets the groups
+            Call.DETECT: _P.CHECKING,
+            Call.SHOULD_SKIP_STEP: _NO_CHECKS,
+            Call.STEP: _NO_CHECKS,
+            Call.UPDATE: _NO_CHECKS,
+            Call.STATE_DICT: _P.READY,
+            Call.LOAD_STATE_DICT: _P.READY,
+        },
+        _P.CHECKING: {
+            Call.SCALE_LOSS: _P.CHECKING,
+            Call.UNSCALE: _P.CHECKING,
+            Call.UNSCALE_AGAIN: _AGAIN,
+            Call.DETECT: _P.CHECKING,
+            Call.SHOULD_SKIP_STEP: _P.DECIDED,
+            Call.STEP: _P.STEPPED,
+            Call.UPDATE: _P.READY,
+            Call.STATE_DICT: _MID_STEP,
+            Call.LOAD_STATE_DICT: _MID_STEP,
+        },
+        _P.DECIDED: {
+            Call.SCALE_LOSS: _P.DECIDED,
+            Call.UNSCALE: _LATE,
+            Call.UNSCALE_AGAIN: _AGAIN,
+            Call.DETECT: _LATE,
+            Call.SHOULD_SKIP_STEP: _P.DECIDED,
+            Call.STEP: _P.STEPPED,
+            Call.UPDATE: _P.READY,
+            Call.STATE_DICT: _MID_STEP,
+            Call.LOAD_STATE_DICT: _MID_STEP,
+        },
+        _P.STEPPED: {
+            Call.SCALE_LOSS: _P.STEPPED,
+            Call.UNSCALE: _LATE,
+            Call.UNSCALE_AGAIN: _AGAIN,
+            Call.DETECT: _LATE,
+            Call.SHOULD_SKIP_STEP: _P.STEPPED,
+            Call.STEP: _STEP_TWICE,
+            Call.UPDATE: _P.READY,
+            Call.STATE_DICT: _MID_STEP,
+            Call.LOAD_STATE_DICT: _MID_STEP,
+        },
+    }
+)
 
 
 class GradScaler:
@@ -41,7 +149,7 @@ class GradScaler:
             before the skip decision and the update; every replica must call
             :meth:`should_skip_step` / :meth:`update` in the same order.
         policy: Your own transition ``policy(state, found) -> state`` (a pure
-            function; see "Testing your own policy" in the README), used by
+            function; see "Testing your own policy" in docs/policies.md), used by
             :meth:`update` instead of :func:`scaler_core.update`.
 
     >>> import numpy as np
@@ -67,21 +175,21 @@ class GradScaler:
         self._state = start_state(config, state)
         self._backend = None if backend is None else get_backend(backend)
         if reduce_found is not None and not callable(reduce_found):
-            raise InvalidStateError(
+            raise InvalidArgumentError(
                 f"reduce_found={reduce_found!r}, but it must be a callable taking and "
                 f"returning a found flag (or None)"
             )
         self._reduce_found = reduce_found
         if policy is not None and not callable(policy):
-            raise InvalidStateError(
+            raise InvalidArgumentError(
                 f"policy={policy!r}, but it must be a callable policy(state, found) -> state "
                 f"(or None for scaler_core.update)"
             )
         self._policy = _update if policy is None else policy
-        self._reduced: Any = None
+        self._phase = StepPhase.READY
+        self._reduced: Any = None  # this step's flag once reduced (the decision)
         self._flags: dict[Hashable, Any] = {}
         self._unscaled: set[Hashable] = set()
-        self._stepped = False
 
     # ----------------------------------------------------------------- reading
     @property
@@ -98,6 +206,11 @@ class GradScaler:
     def scale(self) -> float:
         """The current scale as a Python float (raises a recorded collapse)."""
         return self._state.current_scale()
+
+    @property
+    def phase(self) -> StepPhase:
+        """Where the scaler is within the current step (see :data:`TRANSITIONS`)."""
+        return self._phase
 
     @property
     def backend(self) -> Backend | None:
@@ -121,6 +234,7 @@ class GradScaler:
     # ------------------------------------------------------------------- steps
     def scale_loss(self, loss: T) -> T:
         """``loss * scale``: backpropagate this instead of ``loss``."""
+        self._next(Call.SCALE_LOSS)
         return self._backend_for(loss).scale_loss(loss, self._state.scale)  # type: ignore[no-any-return]
 
     def unscale(self, grads: T, group: Hashable = DEFAULT_GROUP) -> T:
@@ -132,18 +246,15 @@ class GradScaler:
             The unscaled gradients (the same objects for NumPy and CuPy).
 
         Raises:
-            LifecycleError: ``group`` was already unscaled since the last update.
+            LifecycleError: ``group`` was already unscaled since the last update,
+                or the skip decision of this step was already taken. Nothing
+                is unscaled then.
         """
-        if group in self._unscaled:
-            raise LifecycleError(
-                f"unscale() has already been called on group {group!r} since the last "
-                f"update(); unscale each group once per step, after all of its gradients "
-                f"are accumulated"
-            )
+        phase = self._next(Call.UNSCALE_AGAIN if group in self._unscaled else Call.UNSCALE, group)
         backend = self._backend_for(grads)
         grads, found = backend.unscale(grads, self._state.scale)
         self._unscaled.add(group)
-        self._record(backend, group, found)
+        self._record(backend, group, found, phase)
         return grads
 
     def detect(self, grads: Any, group: Hashable = DEFAULT_GROUP) -> Any:
@@ -154,10 +265,14 @@ class GradScaler:
 
         Returns:
             This call's flag (a device value).
+
+        Raises:
+            LifecycleError: The skip decision of this step was already taken.
         """
+        phase = self._next(Call.DETECT, group)
         backend = self._backend_for(grads)
         found = backend.find_non_finite(grads)
-        self._record(backend, group, found)
+        self._record(backend, group, found, phase)
         return found
 
     def should_skip_step(self) -> bool:
@@ -168,8 +283,10 @@ class GradScaler:
         Raises:
             LifecycleError: No gradients were checked in this step.
         """
-        self._need_checks("should_skip_step()")
-        return self._backend_for(None).to_bool(self._step_found())
+        phase = self._next(Call.SHOULD_SKIP_STEP)
+        skip = self._backend_for(None).to_bool(self._step_found())
+        self._phase = phase
+        return skip
 
     def step(self, optimizer_step: Callable[..., T], *args: Any, **kwargs: Any) -> T | None:
         """Call ``optimizer_step(*args, **kwargs)`` unless the step is skipped.
@@ -181,13 +298,9 @@ class GradScaler:
             LifecycleError: No gradients were checked, or step() already ran
                 since the last update().
         """
-        if self._stepped:
-            raise LifecycleError(
-                "step() has already been called since the last update(); call update() "
-                "to end the step before stepping again"
-            )
+        phase = self._next(Call.STEP)
         skip = self.should_skip_step()
-        self._stepped = True
+        self._phase = phase
         return None if skip else optimizer_step(*args, **kwargs)
 
     def update(self) -> ScalerState:
@@ -198,7 +311,7 @@ class GradScaler:
             ScaleCollapseError: The step was refused (fail-closed); the scaler
                 keeps its previous state and this step's flags.
         """
-        self._need_checks("update()")
+        phase = self._next(Call.UPDATE)
         new = self._policy(self._state, self._step_found())
         if not isinstance(new, ScalerState):
             raise InvalidStateError(
@@ -209,7 +322,7 @@ class GradScaler:
         self._reduced = None
         self._flags.clear()
         self._unscaled.clear()
-        self._stepped = False
+        self._phase = phase
         return self._state
 
     # ------------------------------------------------------------------ saving
@@ -219,11 +332,7 @@ class GradScaler:
         Raises:
             LifecycleError: Called mid-step (checks recorded but not updated).
         """
-        if self._flags:
-            raise LifecycleError(
-                "state_dict() was called in the middle of a step (gradients were checked "
-                "but update() was not called); save after update()"
-            )
+        self._next(Call.STATE_DICT)
         return to_dict(self._state)
 
     def load_state_dict(self, data: dict[str, Any]) -> None:
@@ -233,11 +342,7 @@ class GradScaler:
             InvalidStateError: ``data`` is malformed or out of range.
             LifecycleError: Called mid-step.
         """
-        if self._flags:
-            raise LifecycleError(
-                "load_state_dict() was called in the middle of a step; call update() "
-                "first, or build a new GradScaler"
-            )
+        self._next(Call.LOAD_STATE_DICT)
         self._state = from_dict(data)
 
     def __repr__(self) -> str:
@@ -251,18 +356,14 @@ class GradScaler:
             self._backend = backend_for(values)
         return self._backend
 
-    def _record(self, backend: Backend, group: Hashable, found: Any) -> None:
-        if self._reduced is not None:
-            raise LifecycleError(
-                "gradients were checked after the skip decision of this step was taken "
-                "(should_skip_step() or step()); check every group first, then decide"
-            )
+    def _next(self, call: Call, group: Hashable = DEFAULT_GROUP) -> StepPhase:
+        """The phase ``call`` leads to; raises the table's refusal before any work."""
+        outcome = TRANSITIONS[self._phase][call]
+        if isinstance(outcome, str):
+            raise LifecycleError(outcome.format(call=call.value, group=group))
+        return outcome
+
+    def _record(self, backend: Backend, group: Hashable, found: Any, phase: StepPhase) -> None:
         previous = self._flags.get(group)
         self._flags[group] = found if previous is None else backend.any(previous, found)
-
-    def _need_checks(self, what: str) -> None:
-        if not self._flags:
-            raise LifecycleError(
-                f"No inf checks were recorded prior to {what}; call unscale(grads) or "
-                f"detect(grads) on this step's gradients first"
-            )
+        self._phase = phase

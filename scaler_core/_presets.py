@@ -51,10 +51,14 @@ class PresetInfo:
     differences: str
 
 
+#: ``math.frexp`` gives this mantissa exactly for the powers of two.
+_POWER_OF_TWO_MANTISSA = 0.5
+
+
 def _power_of_two_factor(name: str, value: float) -> float:
     """``1 / value`` when dividing by ``value`` equals multiplying by it exactly."""
     mant, _ = math.frexp(float(value))
-    if value <= 1.0 or not math.isfinite(value) or mant != 0.5:
+    if value <= 1.0 or not math.isfinite(value) or mant != _POWER_OF_TWO_MANTISSA:
         raise InvalidConfigError(
             f"{name}={value!r}, but it must be a power of two > 1 (2.0, 4.0, ...): the "
             f"anchor divides the scale by it, which only a power of two makes exact in float32"

@@ -52,23 +52,34 @@ import enum
 import math
 import sys
 import threading
+from collections.abc import Callable
 from typing import Any
 
 from ._config import ScalerConfig
-from ._errors import GradientTypeError, InvalidStateError, ScaleCollapseError, SkipLimitError
+from ._errors import (
+    GradientTypeError,
+    InvalidArgumentError,
+    InvalidStateError,
+    ScaleCollapseError,
+    SkipLimitError,
+)
 from ._f32 import FLT_MAX, FLT_MIN, INT32_MAX, f32, is_normal_f32
 
 __all__ = [
     "DATA_FIELDS",
+    "FLAG_MUST",
     "Failure",
     "ScalerState",
     "StepKind",
     "classify",
+    "convert_fields",
     "device_update",
+    "flag_error",
     "host_flag",
     "host_update",
     "init",
     "register_pytree",
+    "require_state",
     "start_state",
 ]
 
@@ -249,6 +260,37 @@ def _make(config: ScalerConfig, values: list[Any]) -> ScalerState:
     return ScalerState(config, **fields)
 
 
+def require_state(state: object) -> ScalerState:
+    """``state`` itself if it is a :class:`ScalerState`.
+
+    Raises:
+        InvalidArgumentError: It is not.
+    """
+    if not isinstance(state, ScalerState):
+        raise InvalidArgumentError(
+            f"state={state!r}, but it must be a ScalerState; build one with scaler_core.init()"
+        )
+    return state
+
+
+def convert_fields(
+    state: ScalerState, scale: Callable[[Any], Any], counter: Callable[[Any], Any]
+) -> ScalerState:
+    """``state`` with its scale passed through ``scale`` and every counter through ``counter``.
+
+    What each integration's ``to_device`` is made of: nothing is read back to
+    the host and nothing is checked, so a recorded failure moves with the state
+    and raises at the first host-side look, wherever the state is then.
+
+    Raises:
+        InvalidArgumentError: ``state`` is not a :class:`ScalerState`.
+    """
+    require_state(state)
+    return _make(
+        state.config, [scale(state.scale), *(counter(getattr(state, n)) for n in DATA_FIELDS[1:])]
+    )
+
+
 def init(config: ScalerConfig | None = None) -> ScalerState:
     """The starting state for ``config`` (PyTorch's defaults when omitted).
 
@@ -345,7 +387,7 @@ def host_update(state: ScalerState, found_non_finite: bool) -> ScalerState:
             backoff at a floor configured to raise. ``state`` is untouched.
         SkipLimitError: The step would pass ``max_consecutive_skips``.
     """
-    state.check()
+    require_state(state).check()
     kind = classify(state, found_non_finite)
     if kind.fails:
         raise _failure_error(_FAILURE_OF_KIND[kind], state, recorded=False)
@@ -406,8 +448,11 @@ def device_update(xp: Any, state: ScalerState, found_non_finite: Any) -> ScalerS
 
     Returns:
         A state whose fields are 0-d arrays of ``xp``.
+
+    Raises:
+        InvalidArgumentError: ``state`` is not a :class:`ScalerState`.
     """
-    cfg = state.config
+    cfg = require_state(state).config
     f32_, i32 = xp.float32, xp.int32
     found = xp.asarray(found_non_finite, dtype=bool)
     clean = ~found
@@ -500,28 +545,36 @@ def _failure_error(failure: Failure, state: ScalerState, *, recorded: bool) -> S
     )
 
 
-def host_flag(found: object) -> bool | None:
+#: What every flag check says a flag must be.
+FLAG_MUST = (
+    "it must be a bool or a 0-d boolean array; pass the flag returned by unscale() or "
+    "find_non_finite()"
+)
+
+
+def flag_error(what: str, shown: str) -> GradientTypeError:
+    """The one error for a value that is not a found flag (``shown`` is its description)."""
+    return GradientTypeError(f"{what}={shown}, but {FLAG_MUST}")
+
+
+def host_flag(found: object, what: str = "found_non_finite") -> bool | None:
     """``found`` as a Python bool when it is a host flag, else ``None``.
 
     Host flags: ``bool``, NumPy's ``bool_`` and 0-d NumPy boolean arrays (checked
-    by type name, so NumPy is never imported here).
+    by type name, so NumPy is never imported here). ``None`` means "not a host
+    value": a device array, for its backend to check.
 
     Raises:
-        GradientTypeError: ``found`` is an int, a float or another non-bool.
+        GradientTypeError: ``found`` is an int, a float, another non-bool, or a
+            NumPy value that is not a 0-d boolean.
     """
     if isinstance(found, bool):
         return found
     typ = type(found)
     if typ.__module__ == "numpy":
         if str(getattr(found, "dtype", "")) == "bool" and getattr(found, "shape", None) == ():
-            return bool(found)  # type: ignore[arg-type]
-        raise GradientTypeError(
-            f"found_non_finite={found!r}, but it must be a bool or a 0-d boolean array; "
-            f"pass the flag returned by unscale() or find_non_finite()"
-        )
+            return bool(found)
+        raise flag_error(what, repr(found))
     if isinstance(found, (int, float, complex, str, bytes)) or found is None:
-        raise GradientTypeError(
-            f"found_non_finite={found!r}, but it must be a bool or a 0-d boolean array; "
-            f"pass the flag returned by unscale() or find_non_finite()"
-        )
+        raise flag_error(what, repr(found))
     return None

@@ -8,12 +8,12 @@ backend instead.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
-from ._errors import GradientValueError
+from ._errors import GradientValueError, InvalidArgumentError
 
-__all__ = ["leaves_with_paths"]
+__all__ = ["leaves_with_paths", "map_pairs"]
 
 
 def leaves_with_paths(tree: Any, root: str = "grads") -> Iterator[tuple[str, Any]]:
@@ -55,3 +55,58 @@ def leaves_with_paths(tree: Any, root: str = "grads") -> Iterator[tuple[str, Any
             yield path, node
             continue
         stack.extend(reversed(children))
+
+
+def _structure_error(path: str, skip: str, step: str) -> InvalidArgumentError:
+    return InvalidArgumentError(
+        f"{path} is {step} in on_step but {skip} in on_skip; select() needs two trees of the "
+        f"same structure (the old values and the updated ones)"
+    )
+
+
+def _describe(node: Any) -> str:
+    if node is None:
+        return "None"
+    if isinstance(node, Mapping):
+        return f"a {type(node).__name__} with keys {list(node.keys())!r}"
+    if isinstance(node, (list, tuple)):
+        return f"a {type(node).__name__} of {len(node)}"
+    return "a leaf"
+
+
+def map_pairs(
+    fn: Callable[[str, Any, Any], Any], on_skip: Any, on_step: Any, root: str = "on_step"
+) -> Any:
+    """A tree of ``on_step``'s structure whose leaves are ``fn(path, skip_leaf, step_leaf)``.
+
+    The two trees must have the same structure: the same container types, the
+    same keys in the same order, the same lengths, ``None`` at the same places.
+
+    Raises:
+        InvalidArgumentError: They differ; the message names the first place.
+
+    >>> map_pairs(lambda path, a, b: a + b, {"w": [1, None]}, {"w": [10, None]})
+    {'w': [11, None]}
+    """
+
+    def walk(path: str, a: Any, b: Any) -> Any:
+        if a is None or b is None:
+            if a is not b:
+                raise _structure_error(path, _describe(a), _describe(b))
+            return None
+        if isinstance(b, Mapping):
+            if not isinstance(a, Mapping) or list(a.keys()) != list(b.keys()):
+                raise _structure_error(path, _describe(a), _describe(b))
+            return type(b)({k: walk(f"{path}[{k!r}]", a[k], b[k]) for k in b})  # type: ignore[call-arg]
+        if isinstance(b, (list, tuple)):
+            if type(a) is not type(b) or len(a) != len(b):
+                raise _structure_error(path, _describe(a), _describe(b))
+            fields = getattr(b, "_fields", None)
+            names = [f".{n}" for n in fields] if fields else [f"[{i}]" for i in range(len(b))]
+            items = [walk(path + n, x, y) for n, x, y in zip(names, a, b, strict=True)]
+            return type(b)(*items) if fields else type(b)(items)
+        if isinstance(a, (Mapping, list, tuple)):
+            raise _structure_error(path, _describe(a), _describe(b))
+        return fn(path, a, b)
+
+    return walk(root, on_skip, on_step)

@@ -1,4 +1,5 @@
-"""Shared test setup: hypothesis profiles, and a loader for the repository's scripts.
+"""Shared test setup: hypothesis profiles, a loader for the repository's scripts, and an
+environment whose BLAS gives the shipped numbers.
 
 ``ci`` (the default) is derandomized, so a red CI run is reproducible;
 ``explore`` runs many more random examples locally:
@@ -9,6 +10,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import platform
 from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
@@ -51,3 +53,30 @@ def _load_repo_module(relative: str) -> ModuleType:
 def repo_module() -> Callable[[str], ModuleType]:
     """Load a script of the repository that is not part of the package, by path."""
     return _load_repo_module
+
+
+def _has_avx2() -> bool:
+    try:
+        return " avx2" in Path("/proc/cpuinfo").read_text(encoding="utf-8")
+    except OSError:
+        return False
+
+
+@pytest.fixture
+def pinned_blas_env() -> dict[str, str]:
+    """``os.environ`` with OpenBLAS held to its Haswell (AVX2) kernels, for a subprocess.
+
+    The demo's numbers and the shipped traces come from float32 matrix products, whose
+    rounding depends on the kernel OpenBLAS picks for the CPU (its AVX-512 kernels sum
+    in another order than its AVX2 ones, and a training run amplifies the difference).
+    They were made with the Haswell kernels; a process started with this environment
+    computes them bit for bit again on any x86-64 CPU with AVX2. Skips elsewhere.
+    """
+    import numpy as np
+
+    blas = np.show_config(mode="dicts")["Build Dependencies"]["blas"]["name"]
+    if platform.machine() not in ("x86_64", "AMD64") or not _has_avx2():
+        pytest.skip("the shipped numbers need OpenBLAS's x86-64 AVX2 kernels; no AVX2 here")
+    if "openblas" not in str(blas).lower():
+        pytest.skip(f"the shipped numbers were made with OpenBLAS; NumPy here uses {blas}")
+    return {**os.environ, "OPENBLAS_CORETYPE": "Haswell"}

@@ -1,0 +1,124 @@
+"""What every backend shares: the accepted dtypes, the scale, leaf and flag checks.
+
+One statement of each rule, so the backends cannot drift apart: the same bad
+leaf, scale or flag gives the same error class and message on every backend,
+and ``select`` refuses mismatched trees alike (the tree walk itself is
+:func:`scaler_core._tree.map_pairs`; JAX pytrees compare their treedefs).
+"""
+
+from __future__ import annotations
+
+import numbers
+from dataclasses import dataclass
+from typing import Any
+
+import ml_dtypes
+import numpy as np
+
+from scaler_core._errors import GradientTypeError, GradientValueError, InvalidArgumentError
+from scaler_core._f32 import f32, is_normal_f32
+from scaler_core._state import flag_error, host_flag
+
+__all__ = [
+    "ACCEPTED",
+    "FLOAT_DTYPES",
+    "HALF_DTYPES",
+    "LeafKind",
+    "check_select_pair",
+    "flag_error",
+    "host_flag",
+    "inv_scale_of",
+]
+
+#: The gradient dtypes every backend accepts.
+FLOAT_DTYPES: tuple[np.dtype[Any], ...] = (
+    np.dtype(np.float16),
+    np.dtype(ml_dtypes.bfloat16),
+    np.dtype(np.float32),
+    np.dtype(np.float64),
+)
+#: Computed in float32 and written back rounded to their own dtype.
+HALF_DTYPES: tuple[np.dtype[Any], ...] = FLOAT_DTYPES[:2]
+ACCEPTED = "float16, bfloat16, float32 or float64"
+
+
+def inv_scale_of(scale: Any) -> float:
+    """``f32(1 / f64(scale))`` after checking ``scale`` is a positive normal float32.
+
+    Args:
+        scale: A Python or NumPy real number, or a 0-d NumPy array.
+
+    Raises:
+        GradientValueError: ``scale`` is not a real number, or not a positive,
+            finite, normal float32 value.
+
+    >>> inv_scale_of(65536.0)
+    1.52587890625e-05
+    """
+    if isinstance(scale, np.ndarray) and scale.shape == ():
+        scale = scale[()]
+    if isinstance(scale, (bool, np.bool_)) or not isinstance(scale, numbers.Real):
+        raise GradientValueError(
+            f"scale={scale!r}, but it must be a real number; pass state.scale or a float"
+        )
+    value = float(scale)
+    if not is_normal_f32(value):
+        raise GradientValueError(
+            f"scale={scale!r}, but it must be a positive, finite, normal float32 value; "
+            f"pass the scale of a valid ScalerState"
+        )
+    return f32(1.0 / f32(value))
+
+
+@dataclass(frozen=True)
+class LeafKind:
+    """The gradient leaves one backend accepts, and how to say what is wrong.
+
+    Attributes:
+        backend: The backend's name, as in the messages.
+        array_type: The array type (or types) a leaf must be.
+        type_name: How the messages spell it (``"numpy.ndarray"``).
+        module: The library's usual alias, for the cast hint (``"np"``).
+        convert: How to turn a value into such an array.
+    """
+
+    backend: str
+    array_type: type | tuple[type, ...]
+    type_name: str
+    module: str
+    convert: str
+
+    def check(self, path: str, leaf: object) -> None:
+        """Raise if ``leaf`` is not an array of this library with an accepted dtype.
+
+        Raises:
+            GradientTypeError: ``leaf`` is of another type, or of an integer,
+                bool, complex or object dtype; the message names ``path``.
+        """
+        if not isinstance(leaf, self.array_type):
+            kind = type(leaf)
+            raise GradientTypeError(
+                f"{path} is a {kind.__module__}.{kind.__qualname__}, but the {self.backend} "
+                f"backend needs {self.type_name} leaves of dtype {ACCEPTED}; convert it with "
+                f"{self.convert}"
+            )
+        dtype = leaf.dtype  # type: ignore[attr-defined]
+        if np.dtype(dtype) not in FLOAT_DTYPES:
+            raise GradientTypeError(
+                f"{path} has dtype {dtype}, but gradients must be {ACCEPTED}; cast it with "
+                f".astype({self.module}.float32) or leave it out of the tree"
+            )
+
+
+def check_select_pair(path: str, skip: Any, step: Any) -> None:
+    """Raise unless the two leaves ``select`` pairs up have one shape and one dtype.
+
+    Raises:
+        InvalidArgumentError: They differ; the message names ``path``.
+    """
+    if skip.shape != step.shape or skip.dtype != step.dtype:
+        raise InvalidArgumentError(
+            f"{path} has shape {tuple(step.shape)} and dtype {step.dtype}, but on_skip has "
+            f"{tuple(skip.shape)} and {skip.dtype}; select keeps shapes and dtypes, so cast "
+            f"the updated value back to the old one's dtype"
+        )

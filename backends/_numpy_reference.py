@@ -1,0 +1,116 @@
+"""The NumPy reference backend: clear, correct, in place.
+
+Every faster path (``_numpy.py``, the default NumPy backend) is tested against
+it, bit for bit; the fast path also hands it the calls it has no faster
+answer for (overlapping arrays).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from scaler_core._errors import GradientValueError
+from scaler_core._state import ScalerState, host_update, require_state
+from scaler_core._tree import leaves_with_paths, map_pairs
+
+from ._common import HALF_DTYPES, LeafKind, check_select_pair, flag_error, host_flag, inv_scale_of
+
+__all__ = ["BACKEND", "LEAVES", "NumpyReferenceBackend", "numpy_leaves"]
+
+#: NumPy gradient leaves.
+LEAVES = LeafKind("numpy", np.ndarray, "numpy.ndarray", "np", "np.asarray(x)")
+
+
+def numpy_leaves(grads: Any, *, writable: bool) -> list[tuple[str, np.ndarray]]:
+    """Every leaf of ``grads``, validated, each array once (by identity).
+
+    Raises:
+        GradientTypeError: A leaf is not a NumPy array, or has a dtype other
+            than float16, bfloat16, float32 or float64.
+        GradientValueError: ``writable`` and a leaf is read-only.
+    """
+    out: list[tuple[str, np.ndarray]] = []
+    seen: set[int] = set()
+    for path, leaf in leaves_with_paths(grads):
+        LEAVES.check(path, leaf)
+        if writable and not leaf.flags.writeable:
+            raise GradientValueError(
+                f"{path} is read-only, but unscaling works in place; pass a writable array "
+                f"(np.array(x) makes a writable copy)"
+            )
+        if id(leaf) not in seen:
+            seen.add(id(leaf))
+            out.append((path, leaf))
+    return out
+
+
+def _all_finite(a: np.ndarray) -> bool:
+    return bool(np.isfinite(a).all())
+
+
+class NumpyReferenceBackend:
+    """Unscale and detection for NumPy arrays, plainly. The flag is a ``numpy.bool_``."""
+
+    name = "numpy"
+
+    def unscale(self, grads: Any, scale: Any) -> tuple[Any, np.bool_]:
+        """See :meth:`scaler_core.Backend.unscale`."""
+        inv = inv_scale_of(scale)
+        leaves = numpy_leaves(grads, writable=True)
+        found = False
+        # Overflow to inf is expected here (it is what the flag reports), not a warning.
+        with np.errstate(over="ignore", invalid="ignore"):
+            for _, g in leaves:
+                if inv != 1.0:
+                    if g.dtype in HALF_DTYPES:
+                        g[...] = np.multiply(g, np.float32(inv), dtype=np.float32)
+                    else:
+                        np.multiply(g, g.dtype.type(inv), out=g)
+                if not found and not _all_finite(g):
+                    found = True
+        return grads, np.bool_(found)
+
+    def find_non_finite(self, grads: Any) -> np.bool_:
+        """See :meth:`scaler_core.Backend.find_non_finite`."""
+        leaves = numpy_leaves(grads, writable=False)
+        return np.bool_(not all(_all_finite(g) for _, g in leaves))
+
+    def scale_loss(self, loss: Any, scale: Any) -> Any:
+        """See :meth:`scaler_core.Backend.scale_loss`."""
+        inv_scale_of(scale)  # validates scale
+        return np.multiply(loss, np.float32(scale))
+
+    def select(self, found: Any, on_skip: Any, on_step: Any) -> Any:
+        """See :meth:`scaler_core.Backend.select`: a new tree holding the chosen leaves.
+
+        The leaves are not copied: on a host, choosing is free.
+        """
+        skip = self.to_bool(found)
+
+        def choose(path: str, a: Any, b: Any) -> Any:
+            check_select_pair(path, np.asarray(a), np.asarray(b))
+            return a if skip else b
+
+        return map_pairs(choose, on_skip, on_step)
+
+    def any(self, *flags: Any) -> np.bool_:
+        """See :meth:`scaler_core.Backend.any`."""
+        return np.bool_(any(self.to_bool(f) for f in flags))
+
+    def to_bool(self, found: Any) -> bool:
+        """See :meth:`scaler_core.Backend.to_bool`."""
+        flag = host_flag(found, "found")
+        if flag is None:
+            raise flag_error("found", repr(found))
+        return flag
+
+    def update(self, state: ScalerState, found: Any) -> ScalerState:
+        """See :meth:`scaler_core.Backend.update`: the host transition."""
+        if not require_state(state).on_host:
+            state = state.to_host()
+        return host_update(state, self.to_bool(found))
+
+
+BACKEND = NumpyReferenceBackend()

@@ -1,0 +1,129 @@
+"""``scaler-core simulate``: the command line over :mod:`scaler_core.simulate`."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import sys
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, TextIO
+
+from scaler_core import simulate as library
+from scaler_core._config import ScalerConfig
+from scaler_core._errors import InvalidArgumentError
+from scaler_core._presets import PRESETS
+from scaler_core.simulate import (
+    DTYPE_MAX,
+    EXAMPLE_TRACES,
+    PolicyResult,
+    PolicySpec,
+    format_report,
+    load_trace,
+    simulate,
+)
+
+from ._plot import pyplot
+
+__all__ = ["add_parser", "run", "write_plot"]
+
+
+def write_plot(results: Mapping[str, PolicyResult], path: str | Path, title: str) -> None:
+    """Draw each policy's scale trajectory (log scale) into an image file.
+
+    Raises:
+        MissingDependencyError: matplotlib is not installed.
+    """
+    plt = pyplot("--plot")
+    fig, ax = plt.subplots(figsize=(9, 4.5))
+    for result in results.values():
+        label = result.name + (" (collapsed)" if result.collapsed else "")
+        ax.step(range(result.steps), result.scales, where="post", label=label, linewidth=1)
+    ax.set_yscale("log", base=2)
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss scale")
+    ax.set_title(title)
+    ax.legend(fontsize="small")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+# --------------------------------------------------------------------------- CLI
+def _policy_arg(text: str) -> tuple[str, PolicySpec]:
+    """A preset name, or ``module:attr`` naming a config, a (config, policy) pair or a policy."""
+    if ":" not in text:
+        if text not in PRESETS:
+            raise InvalidArgumentError(
+                f"--policy {text!r} is not a preset ({', '.join(sorted(PRESETS))}) nor a "
+                f"module:attribute"
+            )
+        return text, text
+    module, _, attr = text.partition(":")
+    try:
+        obj = getattr(importlib.import_module(module), attr)
+    except (ImportError, AttributeError) as exc:
+        raise InvalidArgumentError(f"--policy {text!r} cannot be imported: {exc}") from None
+    if isinstance(obj, (ScalerConfig, tuple)):
+        return attr, obj
+    if callable(obj):
+        return attr, (ScalerConfig(), obj)
+    raise InvalidArgumentError(
+        f"--policy {text!r} is a {type(obj).__name__}, but it must be a ScalerConfig, a "
+        f"(ScalerConfig, policy) pair or a policy function"
+    )
+
+
+def add_parser(subparsers: Any) -> argparse.ArgumentParser:
+    """Add the ``simulate`` command to a ``scaler-core`` argument parser."""
+    parser: argparse.ArgumentParser = subparsers.add_parser(
+        "simulate",
+        help="replay a trace under several loss-scale policies and compare them",
+        description=library.__doc__.split("\n\n")[1] if library.__doc__ else None,
+    )
+    parser.add_argument(
+        "trace",
+        help=f"a .csv or .json trace, or a shipped example: {', '.join(EXAMPLE_TRACES)}",
+    )
+    parser.add_argument(
+        "--policy",
+        action="append",
+        metavar="NAME",
+        help="a preset (repeatable; default: all presets) or module:attribute of your own",
+    )
+    parser.add_argument(
+        "--dtype",
+        default="float16",
+        choices=sorted(DTYPE_MAX),
+        help="gradient dtype for max_abs_grad traces (default float16)",
+    )
+    parser.add_argument("--json", action="store_true", help="print the report as JSON")
+    parser.add_argument("--plot", metavar="PNG", help="draw the scale trajectories to this file")
+    parser.set_defaults(run=run)
+    return parser
+
+
+def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
+    """Run ``scaler-core simulate`` with parsed arguments; returns the exit code."""
+    out = sys.stdout if out is None else out
+    trace = load_trace(args.trace)
+    names = args.policy or sorted(PRESETS)
+    specs = dict(_policy_arg(text) for text in names)
+    results = simulate(trace, specs, dtype=args.dtype)
+    if args.json:
+        payload = {
+            "trace": trace.name,
+            "steps": len(trace),
+            "dtype": args.dtype,
+            "policies": [r.summary() for r in results.values()],
+        }
+        json.dump(payload, out, indent=2)
+        out.write("\n")
+    else:
+        out.write(format_report(trace, results, args.dtype) + "\n")
+    if args.plot:
+        write_plot(results, args.plot, f"loss scale on trace {trace.name}")
+        if not args.json:
+            out.write(f"plot written to {args.plot}\n")
+    return 0

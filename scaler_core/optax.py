@@ -1,0 +1,116 @@
+"""optax integration: dynamic loss scaling for any optax optimizer, in one jitted step.
+
+Importing this module imports JAX and optax (``import scaler_core`` never does).
+
+:func:`loss_scaled` wraps an ``optax.GradientTransformation``. Its ``update``
+takes the gradients of the *scaled* loss, unscales them, detects non-finite
+values, runs the inner optimizer, and then *selects*: on a non-finite step the
+returned updates are ``-0.0`` (so ``optax.apply_updates`` leaves every parameter
+bit-identical, ``-0.0`` and NaN payloads included) and the inner optimizer
+state is the old one, bit for bit; the scaler state advances either way. No
+host synchronisation: the whole step traces once.
+
+Why select rather than zero the gradients: an optimizer fed zero gradients
+still steps. Adam's moments decay and its count advances, momentum keeps
+moving the parameters, weight decay still shrinks them, and schedules move on.
+A skipped step must be a step that did not happen.
+
+>>> import jax, jax.numpy as jnp, optax
+>>> from scaler_core.optax import loss_scale, loss_scaled
+>>> tx = loss_scaled(optax.sgd(0.1))
+>>> params = {"w": jnp.array([1.0, -0.0])}
+>>> opt_state = tx.init(params)
+>>> grads = {"w": jnp.array([jnp.inf, 0.0])}   # gradients of loss * scale
+>>> updates, opt_state = tx.update(grads, opt_state, params)
+>>> new = optax.apply_updates(params, updates)
+>>> bool(jnp.all(new["w"] == params["w"])), float(loss_scale(opt_state))
+(True, 32768.0)
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from ._config import ScalerConfig
+from ._state import ScalerState, start_state
+from .backends._jax import BACKEND, to_device
+from .jax import reduce_found
+
+__all__ = ["LossScaledState", "loss_scale", "loss_scaled"]
+
+
+class LossScaledState(NamedTuple):
+    """The optimizer state of :func:`loss_scaled`.
+
+    Attributes:
+        inner: The wrapped optimizer's state.
+        scaler: The :class:`~scaler_core.ScalerState` (on the device).
+        found: Whether the last step had non-finite gradients (and was skipped).
+    """
+
+    inner: Any
+    scaler: ScalerState
+    found: jax.Array
+
+
+def loss_scale(state: LossScaledState) -> jax.Array:
+    """The scale to multiply the loss by this step (a 0-d float32 array)."""
+    return state.scaler.scale  # type: ignore[no-any-return]
+
+
+def loss_scaled(
+    inner: optax.GradientTransformation,
+    config: ScalerConfig | None = None,
+    *,
+    state: ScalerState | None = None,
+    axis_name: Any = None,
+) -> optax.GradientTransformationExtraArgs:
+    """Wrap ``inner`` so non-finite steps are skipped and the loss scale adapts.
+
+    Feed its ``update`` the gradients of ``loss * loss_scale(opt_state)``. It
+    returns the inner optimizer's updates of the unscaled gradients, or, on a
+    non-finite step, ``-0.0`` updates and the old inner state (see the module
+    docstring for why this is a select and not zeroed gradients).
+
+    Args:
+        inner: Any optax gradient transformation (extra args are passed on).
+        config: The scaler policy; PyTorch's defaults when omitted.
+        state: Start from this scaler state instead (e.g. one loaded with
+            :func:`scaler_core.from_dict`); its config is used.
+        axis_name: Inside ``shard_map``/``pmap``, the axis to OR the found flag
+            over so that every replica skips together. Leave ``None`` for one
+            device, or for global sharded arrays under ``jax.jit`` (there the
+            flag already covers the whole array).
+
+    Returns:
+        An ``optax.GradientTransformationExtraArgs`` whose state is a
+        :class:`LossScaledState`.
+
+    Raises:
+        InvalidStateError: Both ``config`` and ``state`` are given and differ,
+            or ``state`` is not a :class:`~scaler_core.ScalerState`.
+    """
+    start = start_state(config, state)
+    inner = optax.with_extra_args_support(inner)
+
+    def init_fn(params: Any) -> LossScaledState:
+        return LossScaledState(inner.init(params), to_device(start), jnp.asarray(False))
+
+    def update_fn(
+        updates: Any, opt_state: LossScaledState, params: Any = None, **extra: Any
+    ) -> tuple[Any, LossScaledState]:
+        grads, found = BACKEND.unscale(updates, opt_state.scaler.scale)
+        if axis_name is not None:
+            found = reduce_found(found, axis_name)
+        new_updates, new_inner = inner.update(grads, opt_state.inner, params, **extra)
+        # -0.0, not 0.0: x + (-0.0) == x bit for bit for every x, -0.0 included.
+        no_op = jax.tree_util.tree_map(lambda u: jnp.full_like(u, -0.0), new_updates)
+        out = BACKEND.select(found, no_op, new_updates)
+        kept = BACKEND.select(found, opt_state.inner, new_inner)
+        return out, LossScaledState(kept, BACKEND.update(opt_state.scaler, found), found)
+
+    return optax.GradientTransformationExtraArgs(init_fn, update_fn)  # type: ignore[arg-type, unused-ignore]

@@ -1,0 +1,446 @@
+"""Replay a trace under several policies and compare them (also ``scaler-core simulate``).
+
+A *trace* is what a training run saw at each step: either the found-non-finite
+flag itself, or the largest absolute gradient value before scaling
+(``max_abs_grad``). From the latter the simulator derives the flag under each
+policy's own scale: a step overflows when ``max_abs_grad * scale`` exceeds the
+largest finite value of the gradient dtype (65504 for float16), or when the
+value is NaN or infinite (a NaN loss overflows at every scale).
+
+For each policy the report gives the steps skipped; the overflow *spikes*
+(runs of consecutive skipped steps) with the time to recover from each (steps
+from its first overflow to the next clean step) and the time to regrow (steps
+from there until the scale is back at its value before the spike); the steps
+spent at the floor (``min_scale``, or the smallest normal float32 without one);
+whether the policy collapsed (refused a step, or a user policy produced a scale
+that is no longer a normal float32); and the final scale.
+
+Policies are preset names (see :data:`scaler_core.PRESETS`), configs, or a
+user's own transition as ``(config, policy)``::
+
+    >>> from scaler_core import ScalerConfig
+    >>> trace = Trace(name="toy", max_abs_grad=(0.5, 0.5, 3.0, 0.5, 0.5, 0.5))
+    >>> res = simulate(trace, {"fast": ScalerConfig(init_scale=2.0**15, growth_interval=2)})
+    >>> res["fast"].scales
+    (32768.0, 32768.0, 65536.0, 32768.0, 32768.0, 65536.0)
+    >>> res["fast"].skipped_steps, res["fast"].recovery_steps, res["fast"].regrowth_steps
+    (1, (1,), (2,))
+"""
+
+from __future__ import annotations
+
+import csv
+import dataclasses
+import io
+import json
+import math
+import statistics
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+from ._api import update
+from ._config import ScalerConfig
+from ._errors import InvalidArgumentError, ScaleCollapseError, TraceError
+from ._f32 import FLT_MAX, FLT_MIN
+from ._presets import preset
+from ._state import ScalerState, init
+
+__all__ = [
+    "DTYPE_MAX",
+    "EXAMPLE_TRACES",
+    "Policy",
+    "PolicyResult",
+    "PolicySpec",
+    "Trace",
+    "TraceError",
+    "example_trace",
+    "format_report",
+    "load_trace",
+    "simulate",
+]
+
+#: Largest finite value of each gradient dtype; a larger scaled gradient overflows.
+DTYPE_MAX: Mapping[str, float] = {
+    "float16": 65504.0,
+    "bfloat16": 3.3895313892515355e38,
+    "float32": FLT_MAX,
+}
+
+#: The example traces shipped in ``scaler_core/traces`` (see docs/simulate.md).
+EXAMPLE_TRACES: Mapping[str, str] = {
+    "spikes": "mlp_fp16_spikes.csv",
+    "nan-burst": "mlp_fp16_nan_burst.json",
+    "demo": "mlp_fp16_demo.json",
+}
+
+Policy = Callable[[ScalerState, Any], ScalerState]
+PolicySpec = str | ScalerConfig | tuple[ScalerConfig, Policy]
+
+
+@dataclasses.dataclass(frozen=True)
+class Trace:
+    """Per-step observations of one training run. Give exactly one of the two.
+
+    Attributes:
+        name: Shown in reports.
+        found: Per-step found-non-finite flags (the policy cannot change them).
+        max_abs_grad: Per-step largest absolute unscaled gradient value; NaN
+            or inf for a step whose gradients are non-finite at every scale.
+    """
+
+    name: str = "trace"
+    found: tuple[bool, ...] | None = None
+    max_abs_grad: tuple[float, ...] | None = None
+
+    def __post_init__(self) -> None:
+        if (self.found is None) == (self.max_abs_grad is None):
+            raise TraceError(
+                f"trace {self.name!r} has found={self.found is not None} and "
+                f"max_abs_grad={self.max_abs_grad is not None}, but it must have exactly one"
+            )
+        if len(self) == 0:
+            raise TraceError(f"trace {self.name!r} has no steps; it must have at least one")
+        if self.max_abs_grad is not None:
+            for i, g in enumerate(self.max_abs_grad):
+                if g < 0:
+                    raise TraceError(
+                        f"trace {self.name!r}: max_abs_grad[{i}]={g!r}, but it must be >= 0 "
+                        f"(an absolute value), NaN or inf"
+                    )
+
+    def __len__(self) -> int:
+        values = self.found if self.found is not None else self.max_abs_grad
+        return len(values or ())
+
+    def overflows(self, step: int, scale: float, dtype_max: float) -> bool:
+        """Whether step ``step`` has non-finite gradients under ``scale``."""
+        if self.max_abs_grad is None:
+            return bool(self.found and self.found[step])
+        g = self.max_abs_grad[step]
+        return not math.isfinite(g) or g * scale > dtype_max
+
+
+@dataclasses.dataclass(frozen=True)
+class PolicyResult:
+    """What one policy did on a trace.
+
+    Attributes:
+        name: The policy's name in the report.
+        steps: Steps replayed (fewer than the trace when it collapsed).
+        skipped_steps: Steps whose optimizer update was skipped.
+        recovery_steps: Per spike (run of skipped steps), the steps from its
+            first overflow to the next clean step (its length).
+        regrowth_steps: Per spike, steps from that clean step until the scale
+            is back at its value before the spike; ``None`` if it never is.
+        steps_at_floor: Steps taken at the floor (``min_scale``, or the
+            smallest normal float32 without one).
+        collapsed: Whether the policy refused a step or left the normal range.
+        collapse_step: The step it collapsed at, or ``None``.
+        final_scale: The scale after the last step replayed.
+        scales: The scale used at each step replayed.
+    """
+
+    name: str
+    steps: int
+    skipped_steps: int
+    recovery_steps: tuple[int, ...]
+    regrowth_steps: tuple[int | None, ...]
+    steps_at_floor: int
+    collapsed: bool
+    collapse_step: int | None
+    final_scale: float
+    scales: tuple[float, ...]
+
+    def summary(self) -> dict[str, Any]:
+        """The headline numbers as a JSON-safe dict (no per-step data)."""
+        regrown = [n for n in self.regrowth_steps if n is not None]
+        return {
+            "policy": self.name,
+            "steps": self.steps,
+            "skipped_steps": self.skipped_steps,
+            "spikes": len(self.recovery_steps),
+            "recovery_steps_mean": _mean(self.recovery_steps),
+            "recovery_steps_max": max(self.recovery_steps, default=None),
+            "regrowth_steps_mean": _mean(regrown),
+            "never_regrown": len(self.regrowth_steps) - len(regrown),
+            "steps_at_floor": self.steps_at_floor,
+            "collapsed": self.collapsed,
+            "collapse_step": self.collapse_step,
+            "final_scale": self.final_scale,
+        }
+
+
+def _mean(values: Sequence[int]) -> float | None:
+    return round(statistics.fmean(values), 2) if values else None
+
+
+def _resolve(name: str, spec: PolicySpec) -> tuple[ScalerConfig, Policy]:
+    if isinstance(spec, str):
+        return preset(spec), update
+    if isinstance(spec, ScalerConfig):
+        return spec, update
+    match spec:
+        case (ScalerConfig() as config, policy) if callable(policy):
+            return config, policy
+    raise InvalidArgumentError(
+        f"policy {name!r}={spec!r}, but it must be a preset name, a ScalerConfig or a "
+        f"(ScalerConfig, policy) pair with policy(state, found) -> state"
+    )
+
+
+def simulate(
+    trace: Trace,
+    policies: Mapping[str, PolicySpec] | Iterable[str],
+    *,
+    dtype: str = "float16",
+) -> dict[str, PolicyResult]:
+    """Replay ``trace`` under each policy.
+
+    Args:
+        trace: The per-step observations.
+        policies: ``{name: spec}`` where a spec is a preset name, a
+            :class:`ScalerConfig` or ``(config, policy)`` for a user's own
+            transition; or just preset names.
+        dtype: Gradient dtype for ``max_abs_grad`` traces (``float16``,
+            ``bfloat16``, ``float32``).
+
+    Returns:
+        ``{name: PolicyResult}`` in the order given.
+
+    Raises:
+        InvalidConfigError: An unknown preset name.
+        InvalidArgumentError: A bad spec or dtype, or no policies.
+    """
+    if dtype not in DTYPE_MAX:
+        raise InvalidArgumentError(f"dtype={dtype!r}, but it must be one of {sorted(DTYPE_MAX)}")
+    specs: Mapping[str, PolicySpec] = (
+        policies if isinstance(policies, Mapping) else {name: name for name in policies}
+    )
+    if not specs:
+        raise InvalidArgumentError("policies is empty, but it must name at least one policy")
+    resolved = {name: _resolve(name, spec) for name, spec in specs.items()}
+    return {
+        name: _replay(name, trace, config, policy, DTYPE_MAX[dtype])
+        for name, (config, policy) in resolved.items()
+    }
+
+
+def _replay(
+    name: str, trace: Trace, config: ScalerConfig, policy: Policy, dtype_max: float
+) -> PolicyResult:
+    state = init(config)
+    floor = FLT_MIN if config.min_scale is None else config.min_scale
+    scales: list[float] = []
+    skipped: list[bool] = []
+    collapse_step = None
+    for step in range(len(trace)):
+        scale = float(state.scale)
+        found = trace.overflows(step, scale, dtype_max)
+        try:
+            new = policy(state, found)
+        except ScaleCollapseError:
+            collapse_step = step
+            break
+        scales.append(scale)
+        skipped.append(found)
+        state = new
+        if not FLT_MIN <= float(state.scale) <= FLT_MAX:  # a user policy that failed open
+            collapse_step = step + 1
+            break
+    recovery, regrowth = _spikes(scales, skipped)
+    return PolicyResult(
+        name=name,
+        steps=len(scales),
+        skipped_steps=sum(skipped),
+        recovery_steps=recovery,
+        regrowth_steps=regrowth,
+        steps_at_floor=sum(s <= floor for s in scales),
+        collapsed=collapse_step is not None,
+        collapse_step=collapse_step,
+        final_scale=float(state.scale),
+        scales=tuple(scales),
+    )
+
+
+def _spikes(
+    scales: Sequence[float], skipped: Sequence[bool]
+) -> tuple[tuple[int, ...], tuple[int | None, ...]]:
+    recovery: list[int] = []
+    regrowth: list[int | None] = []
+    n = len(scales)
+    t = 0
+    while t < n:
+        if not skipped[t]:
+            t += 1
+            continue
+        start = t
+        while t < n and skipped[t]:
+            t += 1
+        if t == n:  # the trace ended inside the spike: not recovered
+            break
+        recovery.append(t - start)
+        target = scales[start]
+        back = next((u for u in range(t, n) if scales[u] >= target), None)
+        regrowth.append(None if back is None else back - t)
+    return tuple(recovery), tuple(regrowth)
+
+
+# ------------------------------------------------------------------------ traces
+def load_trace(source: str | Path) -> Trace:
+    """Read a trace from a CSV or JSON file, or name a shipped example.
+
+    CSV: a header row with a ``found`` column (``0``/``1``/``true``/``false``)
+    or a ``max_abs_grad`` column (numbers, ``nan``, ``inf``); other columns
+    (``step``) are ignored. JSON: an object with a ``found`` list (bools) or a
+    ``max_abs_grad`` list (numbers; ``null``, ``NaN`` or ``Infinity`` for a
+    non-finite step); other keys are ignored.
+
+    Args:
+        source: A path, or a name from :data:`EXAMPLE_TRACES`.
+
+    Raises:
+        TraceError: Missing file, unknown format or a malformed value (the
+            message names the file, row and value).
+    """
+    if str(source) in EXAMPLE_TRACES and not Path(source).exists():
+        return example_trace(str(source))
+    path = Path(source)
+    if not path.is_file():
+        raise TraceError(
+            f"trace={str(source)!r} is not a file; pass a .csv or .json path or one of "
+            f"the examples {sorted(EXAMPLE_TRACES)}"
+        )
+    return _parse(path.read_text(encoding="utf-8"), path.suffix.lower(), path.stem, str(path))
+
+
+def example_trace(name: str) -> Trace:
+    """One of the shipped example traces (see :data:`EXAMPLE_TRACES`)."""
+    if name not in EXAMPLE_TRACES:
+        raise TraceError(f"example={name!r}, but it must be one of {sorted(EXAMPLE_TRACES)}")
+    filename = EXAMPLE_TRACES[name]
+    text = resources.files("scaler_core").joinpath("traces").joinpath(filename).read_text("utf-8")
+    return _parse(text, Path(filename).suffix, name, filename)
+
+
+def _parse(text: str, suffix: str, name: str, where: str) -> Trace:
+    if suffix == ".json":
+        return _parse_json(text, name, where)
+    if suffix == ".csv":
+        return _parse_csv(text, name, where)
+    raise TraceError(f"trace {where!r} has suffix {suffix!r}, but it must be .csv or .json")
+
+
+def _flag(value: object, where: str) -> bool:
+    if isinstance(value, bool):
+        return value
+    text = str(value).strip().lower()
+    if text in ("1", "true"):
+        return True
+    if text in ("0", "false"):
+        return False
+    raise TraceError(f"{where}: found={value!r}, but it must be 0, 1, true or false")
+
+
+def _grad(value: object, where: str) -> float:
+    if value is None:
+        return math.nan
+    if isinstance(value, bool):
+        raise TraceError(f"{where}: max_abs_grad={value!r}, but it must be a number")
+    try:
+        return float(value)  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        raise TraceError(
+            f"{where}: max_abs_grad={value!r}, but it must be a number, nan or inf"
+        ) from None
+
+
+def _parse_csv(text: str, name: str, where: str) -> Trace:
+    rows = list(csv.DictReader(io.StringIO(text)))
+    columns = set(rows[0]) if rows else set()
+    if "found" in columns:
+        found = tuple(_flag(r["found"], f"{where} row {i + 2}") for i, r in enumerate(rows))
+        return Trace(name=name, found=found)
+    if "max_abs_grad" in columns:
+        grads = tuple(_grad(r["max_abs_grad"], f"{where} row {i + 2}") for i, r in enumerate(rows))
+        return Trace(name=name, max_abs_grad=grads)
+    raise TraceError(
+        f"trace {where!r} has columns {sorted(columns)}, but it needs a 'found' or a "
+        f"'max_abs_grad' column (and a header row)"
+    )
+
+
+def _parse_json(text: str, name: str, where: str) -> Trace:
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise TraceError(f"trace {where!r} is not valid JSON: {exc}") from None
+    if not isinstance(data, dict):
+        raise TraceError(f"trace {where!r} holds a {type(data).__name__}, not a JSON object")
+    for key in ("found", "max_abs_grad"):
+        if key in data and not isinstance(data[key], list):
+            raise TraceError(f"trace {where!r}: {key!r} must be a list")
+    if "found" in data:
+        return Trace(
+            name=name,
+            found=tuple(_flag(v, f"{where} found[{i}]") for i, v in enumerate(data["found"])),
+        )
+    if "max_abs_grad" in data:
+        grads = data["max_abs_grad"]
+        return Trace(
+            name=name,
+            max_abs_grad=tuple(_grad(v, f"{where} max_abs_grad[{i}]") for i, v in enumerate(grads)),
+        )
+    raise TraceError(
+        f"trace {where!r} has keys {sorted(data)}, but it needs a 'found' or a 'max_abs_grad' list"
+    )
+
+
+# ------------------------------------------------------------------------ report
+_COLUMNS = (
+    ("policy", "policy"),
+    ("steps", "steps"),
+    ("skipped", "skipped_steps"),
+    ("spikes", "spikes"),
+    ("recover mean/max", None),
+    ("regrow mean", "regrowth_steps_mean"),
+    ("at floor", "steps_at_floor"),
+    ("collapsed", None),
+    ("final scale", "final_scale"),
+)
+
+
+def format_report(trace: Trace, results: Mapping[str, PolicyResult], dtype: str) -> str:
+    """A plain-text table of :meth:`PolicyResult.summary` for every policy."""
+    rows = [[title for title, _ in _COLUMNS]]
+    for result in results.values():
+        s = result.summary()
+        rows.append(
+            [
+                s["policy"],
+                str(s["steps"]),
+                str(s["skipped_steps"]),
+                str(s["spikes"]),
+                f"{_num(s['recovery_steps_mean'])}/{_num(s['recovery_steps_max'])}",
+                _num(s["regrowth_steps_mean"])
+                + (f" ({s['never_regrown']} never)" if s["never_regrown"] else ""),
+                str(s["steps_at_floor"]),
+                f"at step {s['collapse_step']}" if s["collapsed"] else "no",
+                f"{s['final_scale']:.6g}",
+            ]
+        )
+    widths = [max(len(r[i]) for r in rows) for i in range(len(_COLUMNS))]
+    lines = [
+        f"trace {trace.name}: {len(trace)} steps, "
+        + (f"max_abs_grad under {dtype}" if trace.max_abs_grad is not None else "found flags")
+    ]
+    for j, row in enumerate(rows):
+        lines.append("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip())
+        if j == 0:
+            lines.append("  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def _num(value: float | None) -> str:
+    return "-" if value is None else f"{value:g}"

@@ -1,0 +1,536 @@
+"""The Backend contract as runnable checks: :func:`check_backend`.
+
+One place states what every backend must do, in the terms of the
+:class:`~scaler_core.Backend` protocol's docstrings, and every backend of
+scaler-core runs it (``tests/backends/test_contract.py``); the author of a
+backend registered with :func:`scaler_core.register_backend` runs the same
+checks. The expected values are computed here with NumPy, from the rules alone:
+``inv_scale = f32(1 / f64(scale))``, float16/bfloat16 computed in float32 and
+rounded back, the non-finite check on the unscaled values. So passing the
+checks means giving the same bits as every other backend (NaN payloads aside).
+
+Needs NumPy only (no hypothesis): the inputs are fixed and seeded.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import importlib
+from collections.abc import Callable, Iterable, Mapping
+from types import MappingProxyType
+from typing import Any, NamedTuple
+
+import ml_dtypes
+import numpy as np
+
+from .._backend import Backend, get_backend
+from .._config import ScalerConfig
+from .._errors import (
+    BackendContractError,
+    GradientTypeError,
+    GradientValueError,
+    InvalidArgumentError,
+    ScaleCollapseError,
+)
+from .._f32 import FLT_MIN, f32
+from .._state import ScalerState, host_update, init
+
+__all__ = ["BACKEND_CHECKS", "BackendSubject", "check_backend"]
+
+_BF16 = np.dtype(ml_dtypes.bfloat16)
+_DTYPES = (np.dtype(np.float16), _BF16, np.dtype(np.float32), np.dtype(np.float64))
+_HALF = _DTYPES[:2]
+_UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
+#: Per dtype, scales whose gradients and unscaled values stay normal numbers (a
+#: float32 subnormal would be flushed to zero by XLA), with one scale below 1, whose
+#: inverse turns the largest values into inf (the check is on the unscaled values).
+_SCALES = {
+    np.dtype(np.float16): (1.0, 2.0**8, 3.0, 2.0**-8),
+    _BF16: (1.0, 2.0**16, 3.0, 2.0**-8),
+    np.dtype(np.float32): (1.0, 2.0**16, 3.0, 2.0**-8),
+    np.dtype(np.float64): (1.0, 2.0**16, 3.0, 2.0**-8),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class BackendSubject:
+    """A backend under test, with the two conversions the checks need.
+
+    Attributes:
+        backend: The backend.
+        asarray: A host NumPy array to an array of the backend's library (same
+            dtype, shape and values; a 0-d array stays 0-d).
+        to_numpy: An array of the library back to a host NumPy array.
+        dtypes: The gradient dtypes checked (those the library round-trips).
+    """
+
+    backend: Backend
+    asarray: Callable[[np.ndarray], Any]
+    to_numpy: Callable[[Any], np.ndarray]
+    dtypes: tuple[np.dtype[Any], ...]
+
+    @property
+    def name(self) -> str:
+        return str(self.backend.name)
+
+
+# ---------------------------------------------------------------- references
+def _inv(scale: float) -> float:
+    return f32(1.0 / f32(scale))
+
+
+def _unscaled(host: np.ndarray, scale: float) -> np.ndarray:
+    """What every backend must compute for one leaf, by the rules alone."""
+    inv = _inv(scale)
+    with np.errstate(over="ignore", invalid="ignore"):
+        if host.dtype in _HALF:
+            return np.asarray(host.astype(np.float32) * np.float32(inv), dtype=host.dtype)
+        return np.asarray(host * host.dtype.type(inv), dtype=host.dtype)
+
+
+def _non_finite(*arrays: np.ndarray) -> bool:
+    return any(not bool(np.isfinite(a.astype(np.float64)).all()) for a in arrays if a.size)
+
+
+def _same_bits(got: np.ndarray, want: np.ndarray) -> bool:
+    """Equal bit for bit, any NaN matching any NaN (GPUs make the canonical NaN)."""
+    if got.dtype != want.dtype or got.shape != want.shape:
+        return False
+    uint = _UINT[want.dtype.itemsize]
+    nan_got = np.isnan(got.astype(np.float64))
+    nan_want = np.isnan(want.astype(np.float64))
+    same = got.view(uint) == want.view(uint)
+    return bool(np.all(np.where(nan_want, nan_got, same)))
+
+
+def _values(dtype: np.dtype[Any], scale: float, n: int, seed: int) -> np.ndarray:
+    """Gradients of ``n`` elements whose unscaled values lie in [2**-4, 2**4], signed,
+    with a +0.0 and a -0.0."""
+    rng = np.random.default_rng(seed)
+    target = 2.0 ** rng.uniform(-4, 4, n) * rng.choice([-1.0, 1.0], n)
+    host = np.asarray(target * scale, dtype=dtype)
+    host[: min(n, 2)] = np.array([0.0, -0.0][: min(n, 2)], dtype)
+    return host
+
+
+def _dtype_max(dtype: np.dtype[Any]) -> float:
+    info = ml_dtypes.finfo(dtype)  # type: ignore[no-untyped-call, unused-ignore]
+    return float(info.max)
+
+
+# ---------------------------------------------------------------- helpers
+class _Check:
+    """One check of one backend: how it reads arrays and flags, and how it fails."""
+
+    def __init__(self, name: str, subject: BackendSubject) -> None:
+        self.name, self.subject, self.backend = name, subject, subject.backend
+
+    def fail(self, what: str) -> BackendContractError:
+        return BackendContractError(
+            f"check {self.name!r} failed for backend {self.subject.name!r}: {what}"
+        )
+
+    def host(self, x: Any) -> np.ndarray:
+        """A host copy (a NumPy backend's arrays change in place afterwards)."""
+        return np.array(self.subject.to_numpy(x))
+
+    def array(self, host: np.ndarray) -> Any:
+        return self.subject.asarray(host)
+
+    def flag(self, flag: Any, what: str) -> bool:
+        try:
+            value = self.backend.to_bool(flag)
+        except Exception as exc:
+            raise self.fail(f"to_bool() refused the flag {what} returned: {exc!r}") from exc
+        if type(value) is not bool:
+            raise self.fail(f"to_bool() returned {value!r}, not a bool")
+        return value
+
+    def raises(
+        self, error: type[Exception], call: Callable[[], Any], what: str, names: str = ""
+    ) -> None:
+        """``call()`` must raise ``error``, with ``names`` in its message."""
+        try:
+            call()
+        except error as exc:
+            if names not in str(exc):
+                raise self.fail(
+                    f"{what} raised {type(exc).__name__} without naming {names!r}"
+                ) from exc
+            return
+        except Exception as exc:
+            raise self.fail(
+                f"{what} raised {type(exc).__name__}({exc}), not {error.__name__}"
+            ) from exc
+        raise self.fail(f"{what} did not raise {error.__name__}")
+
+
+# ---------------------------------------------------------------- the checks
+_LOSS, _LOSS_SCALE = 0.5, 1024.0
+_BAD_SCALES = (0.0, -1.0, float("inf"), float("nan"), 1e-40, 1e39, True, "2", None)
+_BAD_FLAGS = (1, 0.0, None, "yes", np.array([True]))
+
+
+def _check_protocol(c: _Check) -> None:
+    """The object has every method of the protocol and a non-empty ``name``."""
+    if not isinstance(c.backend, Backend):
+        raise c.fail("it lacks a method of the Backend protocol")
+    if not isinstance(c.backend.name, str) or not c.backend.name:
+        raise c.fail(f"name={c.backend.name!r} is not a non-empty str")
+
+
+def _check_unscale_values(c: _Check) -> None:
+    """Every dtype and scale: the rules' bits, the flag of the unscaled values, in place
+    or functional but never half of each, with a host or a device (0-d array) scale."""
+    for i, dtype in enumerate(c.subject.dtypes):
+        for j, scale in enumerate(_SCALES[dtype]):
+            host = _values(dtype, scale, 37, seed=100 * i + j)
+            if scale < 1.0:  # the unscale itself overflows these
+                host[5] = host.dtype.type(_dtype_max(dtype) / 2)
+            for scale_arg in (scale, c.array(np.array(scale, np.float32))):
+                _one_unscale(c, host, scale, scale_arg)
+
+
+def _one_unscale(c: _Check, host: np.ndarray, scale: float, scale_arg: Any) -> None:
+    grads = [c.array(host)]
+    before = [c.host(g) for g in grads]
+    want = [_unscaled(b, scale) for b in before]
+    case = f"{host.dtype} at scale={scale!r} ({type(scale_arg).__name__})"
+    out, found = c.backend.unscale({"grads": grads}, scale_arg)
+    got = [c.host(g) for g in out["grads"]]
+    for g, w in zip(got, want, strict=True):
+        if not _same_bits(g, w):
+            raise c.fail(f"unscale of {case} gave {g!r}, the rules give {w!r}")
+    after = [c.host(g) for g in grads]
+    in_place = all(_same_bits(a, w) for a, w in zip(after, want, strict=True))
+    untouched = all(_same_bits(a, b) for a, b in zip(after, before, strict=True))
+    if not (in_place or untouched):
+        raise c.fail(f"unscale of {case} changed its inputs, but not to the result")
+    expected = _non_finite(*want)
+    if c.flag(found, "unscale()") is not expected:
+        raise c.fail(f"unscale of {case} flagged {not expected}, not {expected}")
+
+
+class _Pair(NamedTuple):
+    c: Any
+    d: Any
+
+
+def _check_unscale_trees(c: _Check) -> None:
+    """Nested dicts, lists, tuples and NamedTuples with None leaves; 0-d, empty and
+    strided arrays; NaN, +inf or -inf; one flag for the whole tree; empty trees are clean."""
+    dtype = c.subject.dtypes[-1]
+    scale = 2.0**16 if dtype != np.dtype(np.float16) else 2.0**8
+    for k, special in enumerate((None, np.nan, np.inf, -np.inf)):
+        wide = _values(dtype, scale, 24, seed=13).reshape(4, 6)
+        if special is not None:
+            wide[2, 4] = dtype.type(special)  # a column the strided view keeps
+        leaves = [
+            c.array(_values(dtype, scale, 12, seed=7 + k)),
+            c.array(np.array(_values(dtype, scale, 3, seed=11)[2])),  # 0-d
+            c.array(np.zeros((0, 3), dtype)),
+            c.array(wide)[:, ::2],
+        ]
+        tree = {"a": [leaves[0], None, (leaves[1],)], "b": _Pair(leaves[2], leaves[3])}
+        want = [_unscaled(c.host(x), scale) for x in leaves]
+        out, found = c.backend.unscale(tree, scale)
+        if out["a"][1] is not None or type(out["a"][2]) is not tuple or type(out["b"]) is not _Pair:
+            raise c.fail("unscale did not keep the tree's structure")
+        got = [c.host(x) for x in (out["a"][0], out["a"][2][0], out["b"].c, out["b"].d)]
+        for g, w in zip(got, want, strict=True):
+            if not _same_bits(g, w):
+                raise c.fail(f"a leaf of a nested tree gave {g!r}, not {w!r}")
+        if c.flag(found, "unscale()") is not (special is not None):
+            raise c.fail(f"a tree holding {special!r} flagged wrongly")
+    empty_trees: tuple[Any, ...] = ({}, [], [None], {"a": [None, {}]})
+    for empty_tree in empty_trees:
+        _, found = c.backend.unscale(empty_tree, 2.0)
+        if c.flag(found, "unscale()"):
+            raise c.fail(f"the empty tree {empty_tree!r} was flagged")
+
+
+def _check_find_non_finite(c: _Check) -> None:
+    """Detection alone: the right flag for every dtype and special value, nothing modified."""
+    for i, dtype in enumerate(c.subject.dtypes):
+        for special in (None, np.nan, np.inf, -np.inf):
+            hosts = [_values(dtype, 1.0, 37, seed=200 + i), _values(dtype, 1.0, 5, seed=300)]
+            if special is not None:
+                hosts[0][17] = dtype.type(special)
+            grads = [c.array(h) for h in hosts]
+            found = c.backend.find_non_finite({"g": grads, "none": None})
+            if c.flag(found, "find_non_finite()") is not (special is not None):
+                raise c.fail(f"{dtype} holding {special!r} flagged wrongly")
+            if not all(_same_bits(c.host(g), h) for g, h in zip(grads, hosts, strict=True)):
+                raise c.fail("find_non_finite modified a gradient")
+    if c.flag(c.backend.find_non_finite([]), "find_non_finite()"):
+        raise c.fail("the empty tree was flagged")
+
+
+def _check_rejects_bad_leaves(c: _Check) -> None:
+    """A bad leaf raises GradientTypeError naming its path, before any leaf is touched."""
+    good_host = _values(c.subject.dtypes[-1], 4.0, 8, seed=400)
+    bad_leaves = {
+        "int32 array": c.array(np.ones(3, np.int32)),
+        "bool array": c.array(np.ones(3, np.bool_)),
+        "complex64 array": c.array(np.ones(3, np.complex64)),
+        "Python float": 3.0,
+        "str": "gradient",
+    }
+    for what, bad in bad_leaves.items():
+        good = c.array(good_host)
+        c.raises(
+            GradientTypeError,
+            functools.partial(c.backend.unscale, [good, bad], 4.0),
+            f"unscale of a {what}",
+            names="grads[1]",
+        )
+        c.raises(
+            GradientTypeError,
+            functools.partial(c.backend.find_non_finite, [good, bad]),
+            f"find_non_finite of a {what}",
+            names="grads[1]",
+        )
+        if not _same_bits(c.host(good), good_host):
+            raise c.fail(f"unscale modified a good leaf before refusing a {what}")
+
+
+def _check_rejects_bad_scales(c: _Check) -> None:
+    """0, negative, inf, NaN, subnormal, too large, bool and non-numbers: GradientValueError
+    from unscale (before any gradient is touched) and from scale_loss."""
+    host = _values(c.subject.dtypes[-1], 1.0, 8, seed=500)
+    loss = c.array(np.array(_LOSS, np.float32))
+    for scale in _BAD_SCALES:
+        grads = [c.array(host)]
+        c.raises(
+            GradientValueError,
+            functools.partial(c.backend.unscale, grads, scale),
+            f"unscale at scale={scale!r}",
+        )
+        if not _same_bits(c.host(grads[0]), host):
+            raise c.fail(f"unscale modified a gradient before refusing scale={scale!r}")
+        c.raises(
+            GradientValueError,
+            functools.partial(c.backend.scale_loss, loss, scale),
+            f"scale_loss at scale={scale!r}",
+        )
+
+
+def _check_scale_loss(c: _Check) -> None:
+    """``loss * f32(scale)``, float32 for float16 and float32 losses."""
+    for dtype in (np.float16, np.float32):
+        out = c.host(c.backend.scale_loss(c.array(np.array(_LOSS, dtype)), _LOSS_SCALE))
+        if out.dtype != np.float32 or float(out) != _LOSS * _LOSS_SCALE:
+            raise c.fail(f"scale_loss({_LOSS} as {dtype.__name__}, {_LOSS_SCALE}) gave {out!r}")
+
+
+def _check_select(c: _Check) -> None:
+    """The chosen tree's values leaf by leaf; mismatched trees raise InvalidArgumentError."""
+    old_h: dict[str, Any] = {
+        "w": np.array([1.0, -0.0, 3.0], np.float32),
+        "b": [np.array(2.0, np.float16)],
+    }
+    new_h: dict[str, Any] = {
+        "w": np.array([4.0, 5.0, 6.0], np.float32),
+        "b": [np.array(7.0, np.float16)],
+    }
+
+    def tree(h: Mapping[str, Any]) -> dict[str, Any]:
+        return {"w": c.array(h["w"]), "b": [c.array(h["b"][0])], "n": None}
+
+    dirty = c.backend.find_non_finite([c.array(np.array([np.inf], np.float32))])
+    clean = c.backend.find_non_finite([c.array(np.ones(1, np.float32))])
+    for flag, skip in ((dirty, True), (clean, False), (True, True), (False, False)):
+        out = c.backend.select(flag, tree(old_h), tree(new_h))
+        want = old_h if skip else new_h
+        if out["n"] is not None or not _same_bits(c.host(out["w"]), want["w"]):
+            raise c.fail(f"select with a {'true' if skip else 'false'} flag chose wrongly")
+        if not _same_bits(c.host(out["b"][0]), want["b"][0]):
+            raise c.fail("select changed a float16 leaf")
+    old = tree(old_h)
+    other_dtype = np.float64 if np.dtype(np.float64) in c.subject.dtypes else np.float16
+    mismatched = {
+        "a missing key": {"w": old["w"], "b": old["b"]},
+        "a longer list": {**old, "b": [*old["b"], old["b"][0]]},
+        "a leaf for None": {**old, "n": old["w"]},
+        "another dtype": {**old, "w": c.array(new_h["w"].astype(other_dtype))},
+        "another shape": {**old, "w": c.array(np.ones(4, np.float32))},
+    }
+    for what, other in mismatched.items():
+        c.raises(
+            InvalidArgumentError,
+            functools.partial(c.backend.select, dirty, old, other),
+            f"select of trees with {what}",
+        )
+    c.raises(GradientTypeError, lambda: c.backend.select(1, old, tree(new_h)), "select(1, ...)")
+
+
+def _check_flags(c: _Check) -> None:
+    """``any`` ORs flags (none: false), ``to_bool`` reads them; others: GradientTypeError."""
+    backend = c.backend
+    dirty = backend.find_non_finite([c.array(np.array([np.nan], np.float32))])
+    clean = backend.find_non_finite([c.array(np.ones(1, np.float32))])
+    cases = {
+        "any()": (backend.any(), False),
+        "any(clean, dirty)": (backend.any(clean, dirty), True),
+        "any(clean, clean)": (backend.any(clean, clean), False),
+        "any(True, clean)": (backend.any(True, clean), True),
+        "np.bool_(False)": (np.bool_(False), False),
+        "True": (True, True),
+    }
+    for what, (flag, want) in cases.items():
+        if c.flag(flag, what) is not want:
+            raise c.fail(f"{what} read as {not want}")
+    for bad in _BAD_FLAGS:
+        c.raises(GradientTypeError, functools.partial(backend.to_bool, bad), f"to_bool({bad!r})")
+        c.raises(GradientTypeError, functools.partial(backend.any, clean, bad), f"any(.., {bad!r})")
+
+
+def _check_update(c: _Check) -> None:
+    """One transition equal to the host rule; a refused step raises or is recorded."""
+    backend = c.backend
+    dirty = backend.find_non_finite([c.array(np.array([np.inf], np.float32))])
+    clean = backend.find_non_finite([c.array(np.ones(1, np.float32))])
+    state = init(ScalerConfig(growth_interval=1, hysteresis=2))
+    for flag, found in ((dirty, True), (clean, False), (True, True), (False, False)):
+        got = backend.update(state, flag)
+        if not isinstance(got, ScalerState) or got.to_host() != host_update(state, found):
+            raise c.fail(f"update with found={found} gave {got!r}")
+    try:
+        failed = backend.update(init(ScalerConfig(init_scale=FLT_MIN)), dirty)
+    except ScaleCollapseError:
+        pass
+    else:
+        c.raises(
+            ScaleCollapseError, failed.check, "check() after a collapse neither raised nor recorded"
+        )
+    c.raises(
+        InvalidArgumentError,
+        lambda: backend.update("not a state", clean),  # type: ignore[arg-type]
+        "update of a str",
+    )
+    c.raises(GradientTypeError, lambda: backend.update(state, 1), "update(state, 1)")
+
+
+_CHECKS: Mapping[str, Callable[[_Check], None]] = MappingProxyType(
+    {
+        "protocol": _check_protocol,
+        "unscale_values": _check_unscale_values,
+        "unscale_trees": _check_unscale_trees,
+        "find_non_finite": _check_find_non_finite,
+        "rejects_bad_leaves": _check_rejects_bad_leaves,
+        "rejects_bad_scales": _check_rejects_bad_scales,
+        "scale_loss": _check_scale_loss,
+        "select": _check_select,
+        "flags": _check_flags,
+        "update": _check_update,
+    }
+)
+
+#: What each check asks of a backend, by name, in the order :func:`check_backend` runs them.
+BACKEND_CHECKS: Mapping[str, str] = MappingProxyType(
+    {name: " ".join((check.__doc__ or "").split()) for name, check in _CHECKS.items()}
+)
+
+
+# ---------------------------------------------------------------- conversions
+def _cupy_conversions() -> tuple[Callable[[np.ndarray], Any], Callable[[Any], np.ndarray]]:
+    cupy = importlib.import_module("cupy")
+
+    def asarray(a: np.ndarray) -> Any:  # through same-size uints: bfloat16 too
+        a = np.array(a, order="C")
+        return cupy.asarray(a.view(_UINT[a.dtype.itemsize])).view(a.dtype)
+
+    def to_numpy(x: Any) -> np.ndarray:
+        return cupy.asnumpy(x.view(_UINT[x.dtype.itemsize])).view(x.dtype)  # type: ignore[no-any-return]
+
+    return asarray, to_numpy
+
+
+def _default_conversions(
+    name: str,
+) -> tuple[Callable[[np.ndarray], Any], Callable[[Any], np.ndarray]]:
+    if name == "numpy":
+        return np.array, np.asarray
+    if name == "jax":
+        jnp = importlib.import_module("jax.numpy")
+        return jnp.asarray, np.asarray
+    if name == "cupy":
+        return _cupy_conversions()
+    raise InvalidArgumentError(
+        f"backend {name!r} is not one scaler-core knows how to make arrays for; pass "
+        f"asarray= (a NumPy array to one of its arrays) and to_numpy= (back)"
+    )
+
+
+def _round_trips(
+    asarray: Callable[[np.ndarray], Any], to_numpy: Callable[[Any], np.ndarray]
+) -> tuple[np.dtype[Any], ...]:
+    out = []
+    for dtype in _DTYPES:
+        try:
+            back = np.asarray(to_numpy(asarray(np.ones(2, dtype))))
+        except Exception:  # the library has no such dtype
+            continue
+        if back.dtype == dtype:
+            out.append(dtype)
+    return tuple(out)
+
+
+def check_backend(
+    backend: Backend | str,
+    *,
+    asarray: Callable[[np.ndarray], Any] | None = None,
+    to_numpy: Callable[[Any], np.ndarray] | None = None,
+    only: Iterable[str] | None = None,
+) -> list[str]:
+    """Run the Backend contract's checks on ``backend``; raise at the first broken one.
+
+    The checks (:data:`BACKEND_CHECKS`) cover the arithmetic of ``unscale``
+    for every dtype the library has (bits equal to the rules, the flag taken on
+    the unscaled values, a host or a device scale), nested trees with ``None``,
+    0-d, empty and strided leaves, detection alone, refusals before anything is
+    touched (bad leaves, bad scales), ``scale_loss``, ``select`` (and its
+    refusal of mismatched trees), ``any``/``to_bool`` and ``update``.
+
+    Args:
+        backend: A backend object, or the name it is registered under.
+        asarray: Turns a host NumPy array into an array of the backend's library;
+            known for ``numpy``, ``jax`` and ``cupy`` backends.
+        to_numpy: The way back.
+        only: Names of the checks to run; all when omitted.
+
+    Returns:
+        The names of the checks that ran (all passed).
+
+    Raises:
+        BackendContractError: A check failed; the message names it, the case
+            and what the rules expect.
+        InvalidArgumentError: ``only`` names an unknown check, or ``asarray`` /
+            ``to_numpy`` are needed and missing.
+
+    >>> import scaler_core as sc
+    >>> check_backend(sc.get_backend("numpy"), only=["unscale_values", "select"])
+    ['unscale_values', 'select']
+    """
+    backend = get_backend(backend)
+    names = list(_CHECKS) if only is None else list(only)
+    unknown = sorted(set(names) - set(_CHECKS))
+    if unknown:
+        raise InvalidArgumentError(
+            f"only={names!r} names {unknown!r}, but the checks are {list(BACKEND_CHECKS)!r}"
+        )
+    if asarray is None or to_numpy is None:
+        default_in, default_out = _default_conversions(str(getattr(backend, "name", "")))
+        asarray = default_in if asarray is None else asarray
+        to_numpy = default_out if to_numpy is None else to_numpy
+    subject = BackendSubject(backend, asarray, to_numpy, _round_trips(asarray, to_numpy))
+    if not subject.dtypes:
+        raise BackendContractError(
+            f"check 'dtypes' failed for backend {subject.name!r}: asarray/to_numpy round-trip "
+            f"none of float16, bfloat16, float32, float64"
+        )
+    with np.errstate(over="ignore", invalid="ignore"):
+        for name in names:
+            _CHECKS[name](_Check(name, subject))
+    return names

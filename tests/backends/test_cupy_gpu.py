@@ -1,0 +1,534 @@
+"""The CuPy backend on a real GPU: NumPy-equal results, no host sync, CUDA graphs.
+
+Skipped, with the reason, where CuPy or a CUDA device is missing. Everything is
+compared with the NumPy reference backend: values bit for bit (a NaN may carry
+another payload: GPUs produce the canonical NaN), flags exactly.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+import ml_dtypes
+import numpy as np
+import pytest
+from hypothesis import given, settings
+
+import scaler_core as sc
+from scaler_core._state import DATA_FIELDS, host_update
+from scaler_core.testing import configs, flag_sequences
+
+cupy = pytest.importorskip("cupy", reason="CuPy is not installed (pip install cupy-cuda13x)")
+try:
+    _N_GPUS = int(cupy.cuda.runtime.getDeviceCount())
+    _WHY = "" if _N_GPUS > 0 else "CuPy sees 0 CUDA devices"
+except Exception as exc:  # no driver / no device
+    _N_GPUS, _WHY = 0, f"no usable CUDA GPU ({type(exc).__name__}: {exc})"
+if _N_GPUS == 0:
+    pytest.skip(f"GPU tests of the CuPy backend: {_WHY}", allow_module_level=True)
+
+from scaler_core import cupy as sc_cupy  # noqa: E402
+from scaler_core.backends import _cupy  # noqa: E402 - only where CuPy and a GPU exist
+from scaler_core.backends._numpy_reference import NumpyReferenceBackend  # noqa: E402
+
+BF16 = np.dtype(ml_dtypes.bfloat16)
+DTYPES = [np.dtype(np.float16), BF16, np.dtype(np.float32), np.dtype(np.float64)]
+UINT = {2: np.uint16, 4: np.uint32, 8: np.uint64}
+NP = NumpyReferenceBackend()  # the reference implementation is the oracle
+CP = sc.get_backend("cupy")
+
+
+# ------------------------------------------------------------------ helpers
+@pytest.fixture(autouse=True, scope="module")
+def _quiet_numpy_reference() -> Any:
+    # The NumPy reference overflows to inf on purpose here; NumPy would warn about it.
+    with np.errstate(all="ignore"):
+        yield
+
+
+def device_copy(host: np.ndarray) -> Any:
+    """A contiguous device copy (through a same-size uint view: works for bfloat16 too)."""
+    host = np.array(host, order="C")  # a copy; unlike ascontiguousarray it keeps 0-d arrays 0-d
+    return cupy.asarray(host.view(UINT[host.dtype.itemsize])).view(host.dtype)
+
+
+def to_host(dev: Any) -> np.ndarray:
+    return cupy.asnumpy(dev.view(UINT[dev.dtype.itemsize])).view(dev.dtype)
+
+
+def copy_into(dst: Any, src: Any) -> None:
+    """``dst[...] = src`` through same-size uint views (no bfloat16 arithmetic kernels)."""
+    u = UINT[dst.dtype.itemsize]
+    dst.view(u)[...] = src.view(u)
+
+
+def set_value(dev: Any, host: np.ndarray, index: int, value: float) -> None:
+    """Write ``value`` at ``index`` of a 1-D device array and its host twin."""
+    host[index] = value
+    u = UINT[dev.dtype.itemsize]
+    dev.view(u)[index] = int(np.asarray(value, dev.dtype).view(u))
+
+
+def assert_same_bits(got: np.ndarray, want: np.ndarray, what: str = "") -> None:
+    assert got.dtype == want.dtype, what
+    assert got.shape == want.shape, what
+    got, want = np.array(got).reshape(-1), np.array(want).reshape(-1)
+    gnan = np.isnan(got.astype(np.float64))
+    wnan = np.isnan(want.astype(np.float64))
+    np.testing.assert_array_equal(gnan, wnan, err_msg=f"NaN positions differ {what}")
+    u = UINT[got.dtype.itemsize]
+    gb, wb = got.view(u)[~gnan], want.view(u)[~wnan]
+    bad = np.flatnonzero(gb != wb)
+    assert bad.size == 0, (
+        f"{bad.size} elements differ {what}: got {got[~gnan][bad[:5]]!r}, "
+        f"want {want[~wnan][bad[:5]]!r}"
+    )
+
+
+def values(rng: np.random.Generator, shape: Any, dtype: np.dtype[Any], p_special: float) -> Any:
+    """Values over the dtype's whole range (subnormals and near-max included), some NaN/inf."""
+    n = int(np.prod(shape))
+    top = {2: 14, 4: 100, 8: 300}[dtype.itemsize] if dtype != BF16 else 100
+    low = {2: -24, 4: -140, 8: -1060}[dtype.itemsize] if dtype != BF16 else -130
+    mag = rng.standard_normal(n) * 2.0 ** rng.integers(low, top, n).astype(np.float64)
+    finite = float(ml_dtypes.finfo(dtype).max)
+    x = np.clip(mag, -finite, finite).astype(dtype)
+    special = rng.random(n) < p_special
+    x[special] = rng.choice(np.array([np.nan, np.inf, -np.inf]), special.sum()).astype(dtype)
+    return x.reshape(shape)
+
+
+def layouts(rng: np.random.Generator, dtype: np.dtype[Any], p: float) -> list[tuple[str, Any]]:
+    """``(name, host array)`` in every layout the backend must handle."""
+    return [
+        ("0-d", values(rng, (), dtype, p)),
+        ("empty", values(rng, (0,), dtype, p)),
+        ("small odd", values(rng, (7,), dtype, p)),
+        ("2-D", values(rng, (33, 65), dtype, p)),
+        ("multi-chunk", values(rng, (_cupy.CHUNK_BYTES // dtype.itemsize * 2 + 13,), dtype, p)),
+        ("transposed", values(rng, (40, 31), dtype, p)),
+        ("strided", values(rng, (301,), dtype, p)),
+        ("misaligned", values(rng, (1001,), dtype, p)),
+    ]
+
+
+def device_layout(name: str, host: np.ndarray) -> Any:
+    """A device array holding ``host``'s values in the named layout."""
+    if name == "transposed":
+        return device_copy(host.T).T
+    if name == "strided":
+        big = np.zeros(host.size * 3, host.dtype)
+        big[::3] = host
+        return device_copy(big)[::3]
+    if name == "misaligned":
+        big = np.concatenate([np.zeros(1, host.dtype), host])
+        return device_copy(big)[1:]
+    return device_copy(host)
+
+
+def make_case(
+    seed: int, dtypes: list[np.dtype[Any]], p: float
+) -> tuple[list[Any], list[np.ndarray]]:
+    rng = np.random.default_rng(seed)
+    dev, host = [], []
+    for dt in dtypes:
+        for name, h in layouts(rng, dt, p):
+            d = device_layout(name, h)
+            assert d.flags.c_contiguous == (name not in ("transposed", "strided")), name
+            dev.append(d)
+            host.append(h.copy())
+    return dev, host
+
+
+# ---------------------------------------------------------- the protocol
+def test_backend_is_found_from_cupy_arrays() -> None:
+    assert isinstance(CP, sc.Backend)
+    assert sc.backend_for([cupy.ones(3, np.float32)]) is CP
+    assert "cupy" in sc.available_backends()
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("scale", [1.0, 65536.0, 3.0, 2.0**-10, 1e-30, 2.0**120])
+@pytest.mark.parametrize("p_special", [0.0, 0.001])
+def test_unscale_equals_numpy_bit_for_bit(dtype: Any, scale: float, p_special: float) -> None:
+    dev, host = make_case(1234, [dtype], p_special)
+    _, found = CP.unscale(dev, scale)
+    _, want = NP.unscale(host, scale)
+    assert isinstance(found, cupy.ndarray)
+    assert found.shape == ()
+    assert found.dtype == np.bool_
+    assert bool(found.get()) == bool(want)
+    for d, h in zip(dev, host, strict=True):
+        assert_same_bits(to_host(d), h, f"{d.shape} {d.strides}")
+
+
+@pytest.mark.parametrize("where", ["float16", "bfloat16", "float32", "float64", "none"])
+def test_mixed_dtypes_in_one_call(where: str) -> None:
+    dev, host = make_case(7, DTYPES, 0.0)
+    for d, h in zip(dev, host, strict=True):
+        if d.dtype.name == where and d.ndim == 1 and d.size > 100:
+            set_value(d, h, -1, np.nan)
+            assert np.isnan(to_host(d).astype(np.float64)).any()
+    _, found = CP.unscale({"layers": dev}, 512.0)
+    _, want = NP.unscale({"layers": host}, 512.0)
+    assert bool(found.get()) == bool(want) == (where != "none")
+    for d, h in zip(dev, host, strict=True):
+        assert_same_bits(to_host(d), h)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_overflow_made_by_the_unscale_itself_is_found(dtype: Any) -> None:
+    finite = {"float16": 65504.0, "bfloat16": 1e38, "float32": 1e33, "float64": 1e303}
+    big = np.array([finite[dtype.name], 0.0], dtype)
+    g = device_copy(big)
+    assert not bool(CP.find_non_finite([g]).get())
+    _, found = CP.unscale([g], 2.0**-20)
+    assert bool(found.get())
+    assert np.isinf(to_host(g).astype(np.float64)).tolist() == [True, False]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_find_non_finite_reads_only(dtype: Any) -> None:
+    for p in (0.0, 0.0005):
+        dev, host = make_case(99, [dtype], p)
+        before = [to_host(d).copy() for d in dev]
+        found = CP.find_non_finite(dev)
+        assert bool(found.get()) == bool(NP.find_non_finite(host))
+        for d, b in zip(dev, before, strict=True):
+            assert_same_bits(to_host(d), b)
+
+
+def test_single_inf_anywhere_in_a_large_array_is_found() -> None:
+    n = _cupy.CHUNK_BYTES // 4 * 3 + 5
+    g = cupy.ones(n, np.float32)
+    assert not bool(CP.find_non_finite([g]).get())
+    for pos in (0, 1, _cupy.CHUNK_BYTES // 4 - 1, _cupy.CHUNK_BYTES // 4, n // 2, n - 1):
+        g[pos] = np.inf
+        assert bool(CP.find_non_finite([g]).get()), pos
+        g[pos] = 1.0
+
+
+def test_two_thousand_small_arrays_reuse_one_plan_and_table() -> None:
+    rng = np.random.default_rng(3)
+    host = [rng.standard_normal(1024 + (i % 3)).astype(np.float32) for i in range(2000)]
+    host[1999][17] = np.nan
+    dev = [device_copy(h) for h in host]
+    _, found = CP.unscale(dev, 4.0)
+    _, want = NP.unscale(host, 4.0)
+    assert bool(found.get())
+    assert bool(want)
+    for d, h in zip(dev, host, strict=True):
+        assert_same_bits(to_host(d), h)
+    plan, _ = _cupy._plan(dev)
+    tables = dict(_cupy._TABLES)
+    dev[1999][17] = 1.0
+    _, found = CP.unscale(dev, 4.0)
+    assert not bool(found.get())
+    assert _cupy._plan(dev)[0] is plan
+    assert dict(_cupy._TABLES).keys() == tables.keys()
+
+
+def test_same_array_twice_is_unscaled_once() -> None:
+    g = cupy.full(10, 8.0, np.float32)
+    CP.unscale({"a": g, "b": [g, None]}, 2.0)
+    assert to_host(g).tolist() == [4.0] * 10
+
+
+def test_device_scale_gives_the_host_scale_result() -> None:
+    state = sc_cupy.to_device(sc.init(sc.ScalerConfig(init_scale=3.0)))
+    a, host = make_case(5, DTYPES, 0.001)
+    b, _ = make_case(5, DTYPES, 0.001)
+    _, fa = CP.unscale(a, state.scale)
+    _, fb = CP.unscale(b, 3.0)
+    _, fh = sc.unscale(host, 3.0)
+    assert bool(fa.get()) == bool(fb.get()) == bool(fh)
+    for x, y, h in zip(a, b, host, strict=True):
+        assert_same_bits(to_host(x), to_host(y))
+        assert_same_bits(to_host(x), h)
+
+
+def test_rejected_call_modifies_nothing() -> None:
+    good = cupy.full(5, 4.0, np.float32)
+    for grads, scale in (([good, cupy.ones(3, np.int32)], 2.0), ([good], 0.0)):
+        with pytest.raises(sc.InvalidGradientError):
+            CP.unscale(grads, scale)
+        assert to_host(good).tolist() == [4.0] * 5
+
+
+# ------------------------------------------------------- the rest of the API
+def test_select_any_and_scale_loss() -> None:
+    a = device_copy(np.array([np.nan, -0.0, 1.5], np.float32))
+    b = cupy.zeros(3, np.float32)
+    t, f = cupy.asarray(True), cupy.asarray(False)
+    out = CP.select(t, {"p": [a, None]}, {"p": [b, None]})
+    assert out["p"][1] is None
+    assert_same_bits(to_host(out["p"][0]), to_host(a))
+    assert_same_bits(to_host(CP.select(f, [a], [b])[0]), np.zeros(3, np.float32))
+    assert bool(CP.any(f, f).get()) is False
+    assert bool(CP.any(f, t, False).get()) is True
+    assert bool(CP.any().get()) is False
+    for dtype in DTYPES:
+        loss = device_copy(np.array(1.5, dtype))
+        got = CP.scale_loss(loss, 1024.0)
+        want = NP.scale_loss(np.array(1.5, dtype), 1024.0)
+        assert got.dtype == np.asarray(want).dtype
+        assert float(got.get()) == float(want)
+    state = sc_cupy.to_device(sc.init())
+    assert float(CP.scale_loss(cupy.asarray(2.0, np.float32), state.scale).get()) == 131072.0
+
+
+def test_to_bool_is_the_one_read() -> None:
+    assert CP.to_bool(cupy.asarray(True)) is True
+    assert CP.to_bool(np.bool_(False)) is False
+
+
+def test_collapse_is_recorded_on_device_and_raised_at_the_first_host_look() -> None:
+    cfg = sc.ScalerConfig(init_scale=2.0**-125, backoff_factor=0.5)
+    state = sc_cupy.to_device(sc.init(cfg))
+    yes = cupy.asarray(True)
+    state = sc.update(state, yes)  # 2**-126: still normal
+    state = sc.update(state, yes)  # would be subnormal: refused, recorded
+    state = sc.update(state, yes)  # frozen
+    assert int(state.failure.get()) == int(sc.Failure.COLLAPSE)
+    assert float(state.scale.get()) == 2.0**-126
+    for look in (state.check, state.current_scale, lambda: sc.to_dict(state)):
+        with pytest.raises(sc.ScaleCollapseError, match="recorded"):
+            look()
+    # to_device moves the recorded failure along (as scaler_core.jax.to_device does).
+    moved = sc_cupy.to_device(state)
+    assert int(moved.failure.get()) == int(sc.Failure.COLLAPSE)
+    with pytest.raises(sc.ScaleCollapseError, match="recorded"):
+        moved.check()
+
+
+@settings(max_examples=25, deadline=None)
+@given(cfg=configs(), flags=flag_sequences(max_size=40))
+def test_device_transition_equals_host_transition(cfg: sc.ScalerConfig, flags: list[bool]) -> None:
+    host = sc.init(cfg)
+    dev = sc_cupy.to_device(host)
+    failed: type[Exception] | None = None
+    for flag in flags:
+        dev = sc.update(dev, cupy.asarray(flag))
+        if failed is None:
+            try:
+                host = host_update(host, flag)
+            except sc.ScaleCollapseError as exc:
+                failed = type(exc)
+        got = [dev.scale.get().item(), *(int(getattr(dev, n).get()) for n in DATA_FIELDS[1:-1])]
+        want = [host.scale, *(getattr(host, n) for n in DATA_FIELDS[1:-1])]
+        assert got == want
+        assert (int(dev.failure.get()) != 0) == (failed is not None)
+    if failed is not None:
+        with pytest.raises(failed):
+            dev.check()
+    else:
+        assert dev.to_host() == host
+
+
+def test_grad_scaler_with_a_device_state_matches_numpy() -> None:
+    cfg = sc.ScalerConfig(init_scale=1024.0, growth_interval=2)
+    gpu = sc.GradScaler(state=sc_cupy.to_device(sc.init(cfg)))
+    cpu = sc.GradScaler(cfg)
+    rng = np.random.default_rng(0)
+    for step in range(6):
+        h = [rng.standard_normal(100).astype(np.float16), rng.standard_normal(7).astype("f4")]
+        if step == 2:
+            h[0][3] = np.inf
+        d = [device_copy(x) for x in h]
+        gpu.unscale(d)
+        cpu.unscale(h)
+        assert gpu.should_skip_step() == cpu.should_skip_step() == (step == 2)
+        gpu.update()
+        cpu.update()
+        for x, y in zip(d, h, strict=True):
+            assert_same_bits(to_host(x), y)
+        assert gpu.state.to_host() == cpu.state
+
+
+# ------------------------------------------------------------- no host sync
+_SYNCING = ("get", "item", "tolist", "__bool__", "__float__", "__int__", "__index__", "__array__")
+
+
+def _forbid(*_args: Any, **_kwargs: Any) -> None:
+    raise AssertionError("a host synchronisation happened inside the step")
+
+
+def test_the_step_performs_no_host_sync(monkeypatch: pytest.MonkeyPatch) -> None:
+    cfg = sc.ScalerConfig(init_scale=256.0, growth_interval=3)
+    state = sc_cupy.to_device(sc.init(cfg))
+    base = cupy.full(9, 2.0, np.float64)
+    grads = {
+        "w": [device_copy(np.full(5000, 256.0, np.float16)), cupy.full((64, 64), 512.0, "f4")],
+        "b": base[::2],  # non-contiguous: unscaled through a contiguous copy
+    }
+    params = [cupy.ones(10, np.float32)]
+    scaler = sc.GradScaler(state=state)
+    # Warm up: compile the kernels and upload the chunk tables once.
+    CP.unscale(grads, state.scale)
+    CP.find_non_finite(grads)
+    cupy.cuda.Stream.null.synchronize()
+    for name in _SYNCING:
+        monkeypatch.setattr(cupy.ndarray, name, _forbid, raising=False)
+    monkeypatch.setattr(cupy, "asnumpy", _forbid)
+    guard = getattr(__import__("cupyx"), "allow_synchronize", None)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # allow_synchronize is "experimental"
+        with guard(False) if guard is not None else _Null():
+            _, found = sc.unscale(grads, state)
+            again = sc.find_non_finite(grads)
+            flag = CP.any(found, again)
+            new_state = sc.update(state, flag)
+            new_params = CP.select(flag, params, [p * 0.5 for p in params])
+            scaler.unscale(grads)
+            after = scaler.update()
+            loss = CP.scale_loss(cupy.ones((), np.float32), new_state.scale)
+    monkeypatch.undo()
+    assert not bool(flag.get())
+    # 256 -> 1 (warm-up) -> 2**-8 (functional API) -> 2**-16 (GradScaler): all exact.
+    assert to_host(grads["w"][0]).tolist()[:2] == [2.0**-16, 2.0**-16]
+    assert to_host(base).tolist() == [2.0**-23, 2.0] * 4 + [2.0**-23]
+    assert new_state.to_host().growth_tracker == 1
+    assert after.to_host().growth_tracker == 1
+    assert to_host(new_params[0]).tolist() == [0.5] * 10
+    assert float(loss.get()) == 256.0
+
+
+class _Null:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
+# --------------------------------------------------------------- CUDA graphs
+def test_cuda_graph_capture_and_replay_of_unscale_detect_update() -> None:
+    cfg = sc.ScalerConfig(init_scale=2.0**10, growth_interval=3)
+    rng = np.random.default_rng(11)
+    shapes = [((4099,), np.float32), ((64, 33), np.float16), ((300,), np.float64), ((77,), BF16)]
+    n_steps = 12
+    nan_steps = {2, 3, 7}
+    sources_host = []
+    for k in range(n_steps):
+        hs = [(rng.standard_normal(s) * 1000).astype(dt) for s, dt in shapes]
+        if k in nan_steps:
+            hs[k % len(hs)].reshape(-1)[5] = np.nan
+        sources_host.append(hs)
+    sources = [[device_copy(h) for h in hs] for hs in sources_host]
+    grads = [cupy.zeros(s, dt) for s, dt in shapes]
+    state = sc_cupy.to_device(sc.init(cfg))
+    stream = cupy.cuda.Stream(non_blocking=True)
+    cupy.cuda.Device().synchronize()  # the setup ran on the null stream
+
+    def step() -> Any:
+        _, found = CP.unscale(grads, state.scale)
+        new = CP.update(state, found)
+        for name in DATA_FIELDS:  # fixed buffers: the graph writes the next state in place
+            getattr(state, name)[...] = getattr(new, name)
+        return found
+
+    with stream:
+        step()  # warm-up: compiles, uploads the table
+        for name, value in zip(DATA_FIELDS, _host_values(sc.init(cfg)), strict=True):
+            getattr(state, name)[...] = value
+        pool = cupy.cuda.MemoryPool()  # the graph's temporaries stay reserved for it
+        with cupy.cuda.using_allocator(pool.malloc):
+            stream.begin_capture()
+            found = step()
+            graph = stream.end_capture()
+    assert all(
+        any(t is p for p in _cupy._PINNED) for t in (g.table for g in _cupy._plan(grads)[0].groups)
+    )
+    host_state = sc.init(cfg)
+    for i in range(n_steps):
+        with stream:
+            for g, src in zip(grads, sources[i], strict=True):
+                copy_into(g, src)
+            graph.launch(stream)
+        stream.synchronize()
+        expect = [h.copy() for h in sources_host[i]]
+        _, want = NP.unscale(expect, host_state.scale)
+        host_state = host_update(host_state, bool(want))
+        assert bool(found.get()) == bool(want) == (i in nan_steps)
+        for g, e in zip(grads, expect, strict=True):
+            assert_same_bits(to_host(g), e, f"step {i}")
+        assert state.to_host() == host_state, f"step {i}"
+    assert host_state.steps == n_steps
+    assert host_state.skipped_steps == len(nan_steps)
+
+
+def _host_values(state: sc.ScalerState) -> list[Any]:
+    return [getattr(state, n) for n in DATA_FIELDS]
+
+
+# -------------------------------------------------------------- multi-GPU
+def test_nccl_found_reducer_on_one_rank() -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        from cupy.cuda import nccl
+    if not getattr(nccl, "available", False):
+        pytest.skip("NCCL is not installed for CuPy (pip install nvidia-nccl-cu13)")
+    comm = nccl.NcclCommunicator(1, nccl.get_unique_id(), 0)
+    reduce_found = sc_cupy.found_reducer(comm)
+    for flag in (False, True):
+        out = reduce_found(cupy.asarray(flag))
+        assert out.shape == ()
+        assert out.dtype == np.bool_
+        assert bool(out.get()) is flag
+    scaler = sc.GradScaler(reduce_found=reduce_found)
+    scaler.unscale([cupy.full(3, np.inf, np.float32)])
+    assert scaler.should_skip_step() is True
+
+
+# ------------------------------------------------------ PyTorch through DLPack
+def test_pytorch_cuda_tensors_through_dlpack_are_unscaled_in_place() -> None:
+    torch = pytest.importorskip("torch", reason="PyTorch is not installed")
+    if not torch.cuda.is_available():
+        pytest.skip("this PyTorch has no CUDA")
+    t = torch.full((1000,), 65536.0, device="cuda")
+    h = torch.full((10,), 2048.0, device="cuda", dtype=torch.float16)
+    grads = [cupy.from_dlpack(t), cupy.from_dlpack(h)]
+    _, found = CP.unscale(grads, 65536.0)
+    assert bool(found.get()) is False
+    assert torch.equal(t, torch.ones_like(t))
+    assert torch.equal(h, torch.full_like(h, 2048.0 / 65536.0))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_matches_pytorch_kernel_where_semantics_agree(dtype: Any) -> None:
+    """Oracle: PyTorch's fused kernel on the same data (inv_scale < 1: no overflow from it)."""
+    torch = pytest.importorskip("torch", reason="PyTorch is not installed")
+    if not torch.cuda.is_available():
+        pytest.skip("this PyTorch has no CUDA")
+    signed = {2: np.int16, 4: np.int32, 8: np.int64}[dtype.itemsize]
+    tdtype = {"float16": torch.float16, "bfloat16": torch.bfloat16}.get(dtype.name)
+    tdtype = tdtype or {"float32": torch.float32, "float64": torch.float64}[dtype.name]
+    rng = np.random.default_rng(8)
+    host = values(rng, (5000,), dtype, 0.001)
+    theirs = torch.from_numpy(host.view(signed).copy()).cuda().view(tdtype)
+    found_t = torch.zeros(1, device="cuda")
+    inv = torch.full((1,), float(np.float32(1.0 / 1024.0)), device="cuda")
+    torch._amp_foreach_non_finite_check_and_unscale_([theirs], found_t, inv)
+    ours = device_copy(host)
+    _, found = CP.unscale([ours], 1024.0)
+    assert bool(found.get()) == bool(found_t.item())
+    tsigned = {2: torch.int16, 4: torch.int32, 8: torch.int64}[dtype.itemsize]
+    back = theirs.view(tsigned).cpu().numpy().view(dtype)
+    assert_same_bits(to_host(ours), back)
+
+
+def test_streams_are_respected() -> None:
+    s = cupy.cuda.Stream(non_blocking=True)
+    with s:
+        g = cupy.full(1 << 20, 2.0, np.float32)
+        _, found = CP.unscale([g], 2.0)
+    s.synchronize()
+    assert not bool(found.get())
+    assert float(g[-1].get()) == 1.0
+
+
+def test_flags_are_device_arrays_on_the_arrays_device() -> None:
+    g = cupy.ones(4, np.float32)
+    found = CP.find_non_finite([g])
+    assert found.device.id == g.device.id

@@ -1,0 +1,111 @@
+"""What only the NumPy backend has: in place through views, read-only arrays, NumPy's own
+dtypes, dispatch by array type. The rules every backend keeps are checked once, for every
+backend, in ``test_contract.py``."""
+
+from __future__ import annotations
+
+from collections import namedtuple
+from typing import Any
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+import scaler_core as sc
+
+BF16 = ml_dtypes.bfloat16
+FLOATS = [np.float16, BF16, np.float32, np.float64]
+
+
+def test_in_place_through_views_and_named_tuples() -> None:
+    Pair = namedtuple("Pair", "w b")
+    base = np.arange(24, dtype=np.float32).reshape(4, 6) * 4
+    grads = {
+        "layers": [Pair(np.full((2, 3), 8.0, np.float32), None), (np.zeros((), np.float64),)],
+        "frozen": None,
+        "empty": np.zeros((0, 5), np.float16),
+        "strided": base[:, ::2],  # non-contiguous view
+        "scalar": np.array(4.0, np.float32),
+    }
+    out, found = sc.unscale(grads, 4.0)
+    assert out is grads
+    assert isinstance(found, np.bool_)
+    assert not found
+    assert grads["layers"][0].w.tolist() == [[2.0] * 3] * 2
+    assert grads["scalar"] == 1.0
+    assert base[:, ::2].tolist() == (np.arange(24).reshape(4, 6)[:, ::2]).tolist()
+    assert base[:, 1::2].tolist() == (np.arange(24).reshape(4, 6)[:, 1::2] * 4).tolist()
+
+
+def test_same_array_twice_is_unscaled_once() -> None:
+    g = np.full(3, 4.0, np.float32)
+    sc.unscale({"a": g, "tied": g}, 4.0)
+    assert g.tolist() == [1.0, 1.0, 1.0]
+
+
+def test_detection_alone_modifies_nothing() -> None:
+    g = np.array([1.0, np.inf], np.float32)
+    g.flags.writeable = False  # detection works on read-only arrays
+    assert bool(sc.find_non_finite({"g": g}))
+    assert not bool(sc.find_non_finite({"g": np.ones(3, BF16)}))
+
+
+# NumPy's own dtypes and containers; int, bool, complex and str leaves are in the contract.
+BAD_LEAVES = [
+    (np.array([1.0, "x"], dtype=object), sc.GradientTypeError, "dtype object"),
+    (
+        np.ones(3, np.longdouble) if np.dtype(np.longdouble).itemsize > 8 else np.ones(3, np.uint8),
+        sc.GradientTypeError,
+        "dtype",
+    ),
+    ([1.0, 2.0], sc.GradientTypeError, "float"),
+    ("not an array", sc.GradientTypeError, "str"),
+]
+
+
+@pytest.mark.parametrize(("leaf", "error", "words"), BAD_LEAVES, ids=lambda v: str(v)[:20])
+def test_bad_leaf_is_named_and_nothing_is_modified(leaf: Any, error: type, words: str) -> None:
+    good = np.full(4, 8.0, np.float32)
+    later = np.full(4, 8.0, np.float32)
+    grads = {"a": good, "model": {"bad": leaf}, "z": later}
+    with pytest.raises(error, match=words) as info:
+        sc.unscale(grads, 8.0)
+    assert "grads['model']['bad']" in str(info.value)
+    assert good.tolist() == [8.0] * 4, "a rejected call modified a gradient"
+    assert later.tolist() == [8.0] * 4
+
+
+def test_read_only_gradient_is_rejected_before_any_change() -> None:
+    first = np.full(4, 8.0, np.float32)
+    ro = np.full(4, 8.0, np.float32)
+    ro.flags.writeable = False
+    with pytest.raises(sc.GradientValueError, match=r"grads\[1\] is read-only"):
+        sc.unscale([first, ro], 8.0)
+    assert first.tolist() == [8.0] * 4
+    assert isinstance(sc.GradientValueError("x"), ValueError)
+
+
+def test_mixed_libraries_are_rejected() -> None:
+    torch = pytest.importorskip("torch")
+    with pytest.raises(sc.GradientTypeError, match="no backend handles"):
+        sc.unscale([np.ones(2, np.float32), torch.ones(2)], 2.0)
+    jnp = pytest.importorskip("jax.numpy")
+    with pytest.raises(sc.GradientTypeError, match="one call takes arrays of one library"):
+        sc.find_non_finite([np.ones(2, np.float32), jnp.ones(2)])
+
+
+def test_cyclic_container_is_rejected() -> None:
+    tree: list[Any] = [np.ones(1, np.float32)]
+    tree.append(tree)
+    with pytest.raises(sc.GradientValueError, match="cycle"):
+        sc.unscale(tree, 2.0)
+
+
+def test_backend_lookup_errors() -> None:
+    with pytest.raises(sc.BackendUnavailableError, match="not registered"):
+        sc.get_backend("tensorflow")
+    with pytest.raises(ImportError):
+        sc.get_backend("nope")
+    assert "numpy" in sc.available_backends()
+    assert sc.backend_for([np.ones(1)]).name == "numpy"
+    assert isinstance(sc.get_backend("numpy"), sc.Backend)

@@ -1,0 +1,483 @@
+"""The fused NumPy backend gives exactly the reference's results, on both paths.
+
+Every comparison is bit for bit: the gradients (NaN payloads included, through
+their unsigned-integer views) and the flag, against ``NumpyReferenceBackend``, the clear
+implementation kept as the oracle.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import doctest
+import operator
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from typing import Any
+
+import ml_dtypes
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from scaler_core import GradientTypeError, GradientValueError, get_backend
+from scaler_core.backends import _numpy as fused
+from scaler_core.backends._numpy_reference import NumpyReferenceBackend
+from scaler_core.testing import scales
+
+REFERENCE = NumpyReferenceBackend()
+DTYPES = [np.float16, ml_dtypes.bfloat16, np.float32, np.float64]
+_UINT = {2: np.uint16, 4: np.uint32, 8: np.uint64}
+
+try:
+    import numba  # noqa: F401
+except ImportError:
+    HAVE_NUMBA = False
+else:
+    HAVE_NUMBA = True
+needs_numba = pytest.mark.skipif(
+    not HAVE_NUMBA, reason="numba is not installed (pip install numba)"
+)
+
+#: (id, use_numba, chunk bytes, parallel threshold): small chunks and a zero
+#: threshold push tiny arrays through the work-item splitting and the threads.
+MODES = [
+    pytest.param(
+        True, fused._CHUNK_BYTES, fused._PARALLEL_MIN_BYTES, id="numba", marks=needs_numba
+    ),
+    pytest.param(True, 64, 0, id="numba-parallel-small-chunks", marks=needs_numba),
+    pytest.param(False, fused._CHUNK_BYTES, fused._PARALLEL_MIN_BYTES, id="numpy"),
+    pytest.param(False, 64, 0, id="numpy-small-chunks"),
+]
+
+
+@contextlib.contextmanager
+def tuned(chunk: int, parallel: int) -> Iterator[None]:
+    """Module constants set for one mode; small chunks also get detection batches
+    of four work items, so parallel detection runs batch after batch."""
+    saved = fused._CHUNK_BYTES, fused._PARALLEL_MIN_BYTES, fused._DETECT_BATCH_BYTES
+    batch = fused._DETECT_BATCH_BYTES if chunk == fused._CHUNK_BYTES else 4 * chunk
+    fused._CHUNK_BYTES, fused._PARALLEL_MIN_BYTES, fused._DETECT_BATCH_BYTES = (
+        chunk,
+        parallel,
+        batch,
+    )
+    try:
+        yield
+    finally:
+        fused._CHUNK_BYTES, fused._PARALLEL_MIN_BYTES, fused._DETECT_BATCH_BYTES = saved
+
+
+def finfo_of(dtype: Any) -> Any:
+    dtype = np.dtype(dtype)
+    return ml_dtypes.finfo(dtype) if dtype == np.dtype(ml_dtypes.bfloat16) else np.finfo(dtype)
+
+
+# -- strategies ---------------------------------------------------------------
+
+LAYOUTS = ["c", "f", "step2", "reversed", "transposed", "offset"]
+SPECIAL = [np.nan, np.inf, -np.inf]
+
+
+@st.composite
+def gradient(draw: st.DrawFn) -> tuple[np.ndarray, str]:
+    """A float array (a view when the layout asks for one) and its layout name."""
+    dtype = np.dtype(draw(st.sampled_from(DTYPES)))
+    layout = draw(st.sampled_from(LAYOUTS))
+    ndim = draw(st.integers(0, 3))
+    if ndim == 0:
+        layout = "c"  # indexing a 0-d array gives a scalar, not a view
+    shape = tuple(draw(st.lists(st.integers(0, 9), min_size=ndim, max_size=ndim)))
+    if draw(st.integers(0, 9)) == 0 and ndim == 1:
+        shape = (draw(st.integers(100, 3000)),)  # crosses the small test chunks
+    seed = draw(st.integers(0, 2**32 - 1))
+    rng = np.random.default_rng(seed)
+    big = tuple(2 * n + 1 for n in shape) if layout in ("step2", "reversed", "offset") else shape
+    finfo = finfo_of(dtype)
+    kind = draw(st.sampled_from(["normal", "near_max", "tiny", "mixed"]))
+    if kind == "normal":
+        values = rng.standard_normal(big) * 10.0 ** rng.integers(-3, 4)
+    elif kind == "near_max":
+        values = rng.uniform(0.5, 1.0, big) * float(finfo.max) * rng.choice([-1, 1], big)
+    elif kind == "tiny":
+        values = rng.uniform(-1.0, 1.0, big) * float(finfo.smallest_normal) * 4
+    else:
+        values = rng.standard_normal(big) * 10.0 ** rng.integers(-30, 30, big).clip(-300, 300)
+    with np.errstate(over="ignore"):
+        base = np.asarray(values, dtype=np.float64).astype(dtype)
+    if layout == "f":
+        base = np.asfortranarray(base)
+    if layout == "step2":
+        arr = base[tuple(slice(None, None, 2) for _ in shape)]
+    elif layout == "reversed":
+        arr = base[tuple(slice(n - 1, None, -1) if n else slice(None) for n in shape)]
+        arr = arr[tuple(slice(0, n) for n in shape)]
+    elif layout == "offset":
+        arr = base[tuple(slice(1, 1 + n) for n in shape)]
+    elif layout == "transposed":
+        arr = base.T
+    else:
+        arr = base
+    flat_n = arr.size
+    if flat_n:
+        where = draw(st.sampled_from(["none", "none", "first", "last", "middle", "random"]))
+        index = {"first": 0, "last": flat_n - 1, "middle": flat_n // 2}.get(
+            where, draw(st.integers(0, flat_n - 1))
+        )
+        if where != "none":
+            arr[np.unravel_index(index, arr.shape)] = draw(st.sampled_from(SPECIAL))
+    return arr, layout
+
+
+@st.composite
+def gradient_sets(draw: st.DrawFn) -> list[np.ndarray]:
+    grads = [g for g, _ in draw(st.lists(gradient(), min_size=0, max_size=8))]
+    if draw(st.booleans()):  # enough arrays for the backend's address tables
+        rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
+        fillers = [
+            (rng.standard_normal(int(rng.integers(0, 6))) * 100).astype(rng.choice(DTYPES))
+            for _ in range(fused._TABLE_MIN_LEAVES)
+        ]
+        at = draw(st.integers(0, len(grads)))
+        grads[at:at] = fillers
+    if grads and draw(st.integers(0, 4)) == 0:  # a non-finite value in every array
+        for g in grads:
+            if g.size:
+                g[np.unravel_index(g.size - 1, g.shape)] = np.inf
+    return grads
+
+
+SCALES = st.one_of(
+    st.sampled_from([1.0, 2.0**16, 0.5, 2.0**-10, 2.0**-100, 3.0, 2.0**120, 65504.0]),
+    scales(),
+)
+
+
+def clone(grads: list[np.ndarray]) -> list[np.ndarray]:
+    """Copies with the same memory layout (shape, strides, offset) on fresh buffers."""
+    out = []
+    for g in grads:
+        if g.base is None:
+            out.append(g.copy(order="K"))
+            continue
+        owner = g.base  # the strategies only make views of fresh arrays
+        raw = np.empty(owner.nbytes, np.uint8)
+        raw[:] = owner.reshape(-1, order="A").view(np.uint8)
+        offset = g.__array_interface__["data"][0] - owner.__array_interface__["data"][0]
+        out.append(np.ndarray(g.shape, g.dtype, buffer=raw, offset=offset, strides=g.strides))
+    return out
+
+
+def bits(a: np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(a).view(_UINT[a.itemsize])
+
+
+def assert_same(left: list[np.ndarray], right: list[np.ndarray]) -> None:
+    assert len(left) == len(right)
+    for i, (a, b) in enumerate(zip(left, right, strict=True)):
+        assert (a.dtype, a.shape, a.strides) == (b.dtype, b.shape, b.strides), i
+        np.testing.assert_array_equal(bits(a), bits(b), err_msg=f"leaf {i} ({a.dtype})")
+
+
+# -- equivalence --------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("use_numba", "chunk", "parallel"), MODES)
+@given(grads=gradient_sets(), scale=SCALES)
+def test_unscale_matches_reference(
+    use_numba: bool, chunk: int, parallel: int, grads: list[np.ndarray], scale: float
+) -> None:
+    expected, actual = clone(grads), clone(grads)
+    assert_same(expected, grads)
+    with np.errstate(all="ignore"):  # the reference warns on overflow; the flag is the answer
+        _, want = REFERENCE.unscale(expected, scale)
+    with tuned(chunk, parallel):
+        _, got = fused.NumpyBackend(use_numba=use_numba).unscale(actual, scale)
+    assert isinstance(got, np.bool_)
+    assert got == want
+    assert_same(actual, expected)
+
+
+@pytest.mark.parametrize(("use_numba", "chunk", "parallel"), MODES)
+@given(grads=gradient_sets())
+def test_find_non_finite_matches_reference_and_reads_only(
+    use_numba: bool, chunk: int, parallel: int, grads: list[np.ndarray]
+) -> None:
+    before = clone(grads)
+    with tuned(chunk, parallel):
+        got = fused.NumpyBackend(use_numba=use_numba).find_non_finite(grads)
+    assert isinstance(got, np.bool_)
+    assert got == REFERENCE.find_non_finite(grads)
+    assert_same(grads, before)
+
+
+@pytest.mark.parametrize(("use_numba", "chunk", "parallel"), MODES)
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: np.dtype(d).name)
+@pytest.mark.parametrize("where", ["first", "middle", "last"])
+def test_one_inf_among_many_arrays_is_found(
+    use_numba: bool, chunk: int, parallel: int, dtype: Any, where: str
+) -> None:
+    rng = np.random.default_rng(1)
+    grads = [rng.standard_normal(257).astype(dtype) for _ in range(40)]
+    pos = {"first": (0, 0), "middle": (20, 128), "last": (39, 256)}[where]
+    grads[pos[0]][pos[1]] = np.inf
+    expected = clone(grads)
+    backend = fused.NumpyBackend(use_numba=use_numba)
+    with tuned(chunk, parallel):
+        assert backend.find_non_finite(grads)
+        _, found = backend.unscale(grads, 4.0)
+    assert found
+    REFERENCE.unscale(expected, 4.0)
+    assert_same(grads, expected)
+
+
+@needs_numba
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: np.dtype(d).name)
+@pytest.mark.parametrize(("where", "batches_run"), [(0, 1), (11, 1), (12, 2), (30, 3), (39, 4)])
+def test_parallel_detection_stops_after_the_batch_with_the_hit(
+    dtype: Any, where: int, batches_run: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    rng = np.random.default_rng(2)
+    grads = [rng.standard_normal(16).astype(dtype) for _ in range(40)]  # one item each
+    grads[where][7] = np.inf
+    backend = fused.NumpyBackend(use_numba=True)
+    kernels = backend._resolve()
+    name = "detect_bits_parallel" if np.dtype(dtype) in fused._EXPONENT else "detect_parallel"
+    calls: list[int] = []
+    real = getattr(kernels, name)
+
+    def counted(addrs: Any, *rest: Any) -> Any:
+        calls.append(addrs.size)
+        return real(addrs, *rest)
+
+    monkeypatch.setattr(kernels, name, counted)
+    item = grads[0].nbytes
+    with tuned(item, 0):  # every array one work item, always parallel
+        monkeypatch.setattr(fused, "_DETECT_BATCH_BYTES", 12 * item)  # 12 items a batch
+        assert backend.find_non_finite(grads)
+        assert calls == [12, 12, 12, 4][:batches_run]
+        calls.clear()
+        grads[where][7] = 1.0
+        assert not backend.find_non_finite(grads)
+        assert calls == [12, 12, 12, 4]  # a clean set is read whole
+
+
+@pytest.mark.parametrize(("use_numba", "chunk", "parallel"), MODES)
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: np.dtype(d).name)
+def test_unscale_overflow_created_by_unscaling_is_found(
+    use_numba: bool, chunk: int, parallel: int, dtype: Any
+) -> None:
+    top = float(finfo_of(dtype).max)
+    grads = [np.full(5, top / 2, dtype=dtype), np.ones(3, dtype)]
+    with tuned(chunk, parallel):
+        _, found = fused.NumpyBackend(use_numba=use_numba).unscale(grads, 0.25)
+    assert found
+    assert np.isinf(grads[0]).all()
+
+
+# -- the plan cache -------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("use_numba", "chunk", "parallel"), MODES)
+def test_cached_plan_follows_new_values_and_replaced_arrays(
+    use_numba: bool, chunk: int, parallel: int
+) -> None:
+    with tuned(chunk, parallel):
+        _cached_plan_follows_new_values_and_replaced_arrays(use_numba)
+
+
+def _cached_plan_follows_new_values_and_replaced_arrays(use_numba: bool) -> None:
+    backend = fused.NumpyBackend(use_numba=use_numba)
+    grads = [np.full(16, 2.0, np.float32) for _ in range(64)]
+    _, found = backend.unscale(grads, 2.0)
+    assert not found
+    assert all((g == 1.0).all() for g in grads)
+    grads[10][3] = np.nan  # same arrays, new values: the cached plan still applies
+    _, found = backend.unscale(grads, 2.0)
+    assert found
+    assert np.isnan(grads[10][3])
+    assert grads[11][0] == 0.5
+    grads[10] = np.full(16, 8.0, np.float32)  # a replaced array: a new plan
+    _, found = backend.unscale(grads, 2.0)
+    assert not found
+    assert (grads[10] == 4.0).all()
+    assert grads[11][0] == 0.25
+    wrapped = {f"w{i}": g for i, g in enumerate(grads)}
+    _, found = backend.unscale(wrapped, 0.5)
+    assert not found
+    assert (grads[10] == 8.0).all()
+    (plan,) = backend._plans.values()  # same first and last arrays: one slot, replaced
+    assert plan.children[10] is grads[10]
+    backend.clear_cache()
+    assert not backend._plans
+
+
+@pytest.fixture
+def is_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Counts the per-array identity checks of the plan lookup (``operator.is_``)."""
+    calls: list[int] = []
+    real = operator.is_
+
+    def counted(a: Any, b: Any) -> bool:
+        calls.append(1)
+        return real(a, b)
+
+    monkeypatch.setattr(operator, "is_", counted)
+    return calls
+
+
+@pytest.mark.parametrize("use_numba", [pytest.param(True, marks=needs_numba), False])
+@pytest.mark.parametrize("kind", [list, tuple])
+def test_a_set_seen_before_is_recognised_without_a_check_per_array(
+    use_numba: bool, kind: type, is_calls: list[int]
+) -> None:
+    backend = fused.NumpyBackend(use_numba=use_numba)
+    arrays = [np.full(8, 4.0, np.float32) for _ in range(40)]
+    first = kind(arrays)
+    backend.unscale(first, 2.0)
+    (plan,) = backend._plans.values()
+    backend.unscale(first, 2.0)  # the same container
+    backend.unscale(kind(arrays), 0.5)  # a new container of the same arrays
+    assert backend._plans[next(iter(backend._plans))] is plan
+    assert is_calls == []  # recognised by one container comparison, not 40 checks
+    assert all((a == 2.0).all() for a in arrays)  # 4 / 2 / 2 * 2
+
+
+@pytest.mark.parametrize("use_numba", [pytest.param(True, marks=needs_numba), False])
+@pytest.mark.parametrize("size", [1, 2, 16])
+@pytest.mark.parametrize("kind", [list, tuple])
+def test_an_equal_but_new_array_is_not_taken_for_the_cached_one(
+    use_numba: bool, size: int, kind: type, is_calls: list[int]
+) -> None:
+    backend = fused.NumpyBackend(use_numba=use_numba)
+    arrays: list[Any] = [np.full(size, 4.0, np.float32) for _ in range(40)]
+    arrays[7] = None
+    backend.unscale(kind(arrays), 2.0)
+    old, new = arrays[20], arrays[20].copy()  # equal values, another array
+    arrays[20] = new
+    arrays[7] = np.full(size, 2.0, np.float32)  # a None child that became an array
+    backend.unscale(kind(arrays), 0.5)
+    assert (old == 2.0).all()  # the replaced array is not touched again
+    assert (new == 4.0).all()
+    assert (arrays[7] == 4.0).all()
+    assert (arrays[0] == 4.0).all()
+    # plans over arrays of one element cannot rely on comparisons: every array checked
+    assert (len(is_calls) > 0) == (size == 1)
+
+
+@pytest.mark.parametrize("use_numba", [pytest.param(True, marks=needs_numba), False])
+def test_an_object_claiming_equality_in_a_cached_set_still_raises(use_numba: bool) -> None:
+    class EqualToAnything:
+        def __eq__(self, other: object) -> bool:
+            return True
+
+        __hash__ = None  # type: ignore[assignment]
+
+    backend = fused.NumpyBackend(use_numba=use_numba)
+    arrays: list[Any] = [np.full(8, 4.0, np.float32) for _ in range(40)]
+    backend.unscale(arrays, 2.0)
+    arrays[5] = EqualToAnything()
+    with pytest.raises(GradientTypeError, match=r"grads\[5\] is a .*EqualToAnything"):
+        backend.unscale(arrays, 2.0)
+    assert all((a == 2.0).all() for i, a in enumerate(arrays) if i != 5)
+
+
+@pytest.mark.parametrize("use_numba", [pytest.param(True, marks=needs_numba), False])
+def test_before_numpy_2_2_every_array_is_checked(
+    use_numba: bool, is_calls: list[int], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(fused, "_EQ_RAISES", False)  # comparisons might only warn
+    backend = fused.NumpyBackend(use_numba=use_numba)
+    arrays = [np.full(8, 4.0, np.float32) for _ in range(40)]
+    backend.unscale(arrays, 2.0)
+    backend.unscale(list(arrays), 2.0)
+    assert len(is_calls) == 40
+    assert all((a == 1.0).all() for a in arrays)
+
+
+@pytest.mark.parametrize("use_numba", [pytest.param(True, marks=needs_numba), False])
+def test_cached_plan_does_not_skip_validation_of_a_read_only_set(use_numba: bool) -> None:
+    backend = fused.NumpyBackend(use_numba=use_numba)
+    grads = [np.ones(4, np.float32) for _ in range(40)]
+    grads[5].flags.writeable = False
+    assert not backend.find_non_finite(grads)  # caches a read-only plan
+    with pytest.raises(GradientValueError, match=r"grads\[5\] is read-only"):
+        backend.unscale(grads, 2.0)
+    assert all((g == 1.0).all() for g in grads)
+
+
+@pytest.mark.parametrize("use_numba", [pytest.param(True, marks=needs_numba), False])
+def test_overlapping_arrays_match_the_reference(use_numba: bool) -> None:
+    base = np.arange(1.0, 41.0, dtype=np.float32)
+    other = base.copy()
+    grads = [base[:30], base[10:], base[::3]]
+    expected = [other[:30], other[10:], other[::3]]
+    _, found = fused.NumpyBackend(use_numba=use_numba).unscale(grads, 2.0)
+    _, want = REFERENCE.unscale(expected, 2.0)
+    assert found == want
+    np.testing.assert_array_equal(base, other)
+
+
+# -- errors come before any change ---------------------------------------------
+
+
+@pytest.mark.parametrize("use_numba", [pytest.param(True, marks=needs_numba), False])
+@pytest.mark.parametrize("count", [3, 50])
+def test_bad_leaf_raises_before_anything_is_modified(use_numba: bool, count: int) -> None:
+    backend = fused.NumpyBackend(use_numba=use_numba)
+    grads: list[Any] = [np.full(8, 2.0, np.float32) for _ in range(count)]
+    grads.append(np.ones(3, np.int32))
+    with pytest.raises(GradientTypeError, match=rf"grads\[{count}\] has dtype int32"):
+        backend.unscale(grads, 2.0)
+    assert all((g == 2.0).all() for g in grads[:count])
+    with pytest.raises(GradientValueError, match=r"scale=0\.0"):
+        backend.unscale(grads[:count], 0.0)
+    assert all((g == 2.0).all() for g in grads[:count])
+
+
+# -- which path, and imports ---------------------------------------------------
+
+
+def test_default_backend_is_fused_and_reports_its_path() -> None:
+    backend = get_backend("numpy")
+    assert isinstance(backend, fused.NumpyBackend)
+    assert isinstance(backend, NumpyReferenceBackend)
+    forced = os.environ.get(fused.ENV_FALLBACK, "") not in ("", "0")
+    expected = "numba" if HAVE_NUMBA and not forced else "numpy"
+    assert backend.path == expected, backend.path_reason
+    assert fused.NumpyBackend(use_numba=False).path == "numpy"
+
+
+def _run(code: str, **env: str) -> str:
+    result = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        check=True,
+        env={**os.environ, **env},
+        cwd=os.path.dirname(sys.executable),  # not the repo root: no source shadowing
+    )
+    return result.stdout.strip()
+
+
+def test_import_scaler_core_does_not_import_numba() -> None:
+    out = _run("import sys, scaler_core; print('numba' in sys.modules)")
+    assert out == "False"
+
+
+def test_env_var_forces_the_numpy_path_without_importing_numba() -> None:
+    code = (
+        "import sys, numpy as np, scaler_core as sc\n"
+        "g = [np.array([2.0, np.inf], np.float32)]\n"
+        "_, f = sc.unscale(g, 2.0)\n"
+        "print(sc.get_backend('numpy').path, bool(f), g[0][0], 'numba' in sys.modules)"
+    )
+    assert _run(code, **{fused.ENV_FALLBACK: "1"}) == "numpy True 1.0 False"
+
+
+def test_docstring_examples_run() -> None:
+    result = doctest.testmod(fused, optionflags=doctest.ELLIPSIS)
+    assert result.attempted > 0
+    assert result.failed == 0

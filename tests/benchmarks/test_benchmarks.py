@@ -1,0 +1,116 @@
+"""The benchmark harnesses work: options, contenders and their JSON (not timings)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from types import ModuleType
+
+import numpy as np
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_bound_kernel_multiplies_every_element_in_place(
+    repo_module: Callable[[str], ModuleType],
+) -> None:
+    pytest.importorskip("numba")
+    bound = repo_module("benchmarks/_bound_kernel.py")
+    rng = np.random.default_rng(3)
+    # one array spans several 1 MiB work items, with a ragged last one
+    grads = [rng.standard_normal(n).astype(np.float32) for n in (1, 1000, 600_000)]
+    before = [g.copy() for g in grads]
+    table = bound.Table(grads)
+    assert table.addrs.size == 1 + 1 + 3
+    table.scale(0.5)
+    for g, b in zip(grads, before, strict=True):
+        np.testing.assert_array_equal(g, b * np.float32(0.5))
+    with pytest.raises(ValueError, match="C-contiguous arrays of one dtype"):
+        bound.Table([grads[0], grads[1].astype(np.float64)])
+
+
+def test_harness_hot_cache_run_writes_its_json(tmp_path: Path) -> None:
+    out = tmp_path / "hot.json"
+    run = subprocess.run(
+        [
+            *(sys.executable, "-m", "benchmarks", "--small", "--sets", "2000x1024,4x16M"),
+            *("--reps", "2", "--warmup", "1", "--cache", "hot", "--out", str(out)),
+        ],
+        capture_output=True,
+        text=True,
+        check=False,
+        cwd=ROOT,
+        timeout=300,
+    )
+    assert run.returncode == 0, run.stderr
+    report = json.loads(out.read_text())
+    assert report["command"].endswith("--cache hot --out " + str(out))
+    results = report["results"]
+    assert [(r["set"], r["dirty"]) for r in results] == [
+        ("2000x1024", False),
+        ("2000x1024", True),
+        ("4x16M", False),
+        ("4x16M", True),
+    ]
+    for r in results:
+        assert r["cache"] == "hot"
+        assert all(len(s) == 2 for s in r["samples_s"].values())
+        assert {"scaler-core", "naive", "roofline"} <= set(r["median_s"])
+        if report["machine"]["numpy_path"] == "numba":
+            assert "bound" in r["median_s"]
+    assert "| bound |" in report["table"] or "bound" not in results[0]["median_s"]
+
+
+def test_harness_rejects_an_unknown_cache_mode() -> None:
+    run = subprocess.run(
+        [sys.executable, "-m", "benchmarks", "--small", "--cache", "warm"],
+        capture_output=True,
+        text=True,
+        check=False,
+        cwd=ROOT,
+        timeout=120,
+    )
+    assert run.returncode == 2
+    assert "--cache" in run.stderr
+    assert "'warm'" in run.stderr
+
+
+def test_jax_benchmark_runs_every_contender_on_a_tiny_tree(
+    repo_module: Callable[[str], ModuleType],
+) -> None:
+    jax = pytest.importorskip("jax")
+    bench = repo_module("benchmarks/bench_jax.py")
+    device = jax.devices("cpu")[0]
+    rows = bench.run(["many"], small=True, device=device, reps=2, many=12, sync="flag")
+    assert [r["contender"] for r in rows] == [
+        "scaler_core",
+        "jmp_pattern",
+        "multiply_only",
+        "tiny_outputs",
+        "flat_buffer",
+    ]
+    for r in rows:
+        assert r["leaves"] == 12
+        assert r["elements"] == 12 * 1024
+        assert r["sync"] == "flag"
+        assert r["median_ms"] > 0
+    assert next(r for r in rows if r["contender"] == "jmp_pattern")["speedup_vs_jmp"] == 1.0
+
+
+def test_jax_benchmark_waits_on_the_whole_tree_when_asked(
+    repo_module: Callable[[str], ModuleType],
+) -> None:
+    jax = pytest.importorskip("jax")
+    jnp = pytest.importorskip("jax.numpy")
+    bench = repo_module("benchmarks/bench_jax.py")
+    tree = [jnp.full((8,), 4.0), jnp.full((3,), jnp.inf)]
+    fn = jax.jit(bench.ours)
+    for sync in ("flag", "tree"):
+        assert bench.timed(fn, tree, jnp.float32(2.0), sync) > 0
+    out, found = fn(tree, jnp.float32(2.0))
+    assert bool(found)
+    assert float(out[0][0]) == 2.0

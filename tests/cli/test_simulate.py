@@ -1,0 +1,221 @@
+"""The trace simulator, end to end on the shipped traces and through the CLI."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+import scaler_core as sc
+from scaler_core._cli import main
+from scaler_core._cli.make_traces import grad_maxima
+from scaler_core.simulate import (
+    EXAMPLE_TRACES,
+    Trace,
+    TraceError,
+    example_trace,
+    load_trace,
+    simulate,
+)
+
+FP16_MAX = 65504.0
+
+
+def test_the_shipped_traces_load() -> None:
+    spikes = example_trace("spikes")
+    assert spikes.max_abs_grad is not None
+    assert len(spikes) == 3000
+    assert all(g > 0 for g in spikes.max_abs_grad)
+    burst = example_trace("nan-burst")
+    assert burst.found is not None
+    assert [i for i, f in enumerate(burst.found) if f] == list(range(700, 850))
+    demo = example_trace("demo")
+    assert demo.found is not None
+    assert len(demo) == 400
+    assert 0 < sum(demo.found) < 400
+
+
+def test_regenerating_the_traces_gives_the_shipped_files(
+    tmp_path: Path, pinned_blas_env: dict[str, str]
+) -> None:
+    pytest.importorskip("sklearn", reason="the demo trace trains on scikit-learn's digits")
+    subprocess.run(
+        [sys.executable, "-m", "scaler_core._cli.make_traces", str(tmp_path)],
+        env=pinned_blas_env,
+        capture_output=True,
+        check=True,
+    )
+    for name, filename in EXAMPLE_TRACES.items():
+        shipped, fresh = example_trace(name), load_trace(tmp_path / filename)
+        if shipped.found is not None:
+            assert fresh.found == shipped.found
+        else:
+            assert np.allclose(fresh.max_abs_grad, shipped.max_abs_grad, rtol=1e-4)
+
+
+def test_each_policy_replays_the_spikes_trace_consistently() -> None:
+    trace = example_trace("spikes")
+    assert trace.max_abs_grad is not None
+    results = simulate(trace, sorted(sc.PRESETS))
+    for name, res in results.items():
+        assert res.steps == 3000, name
+        # The flags follow from the scale each policy used, step by step.
+        flags = [g * s > FP16_MAX for g, s in zip(trace.max_abs_grad, res.scales, strict=True)]
+        assert res.skipped_steps == sum(flags), name
+        state = sc.init(sc.preset(name))
+        for step, flag in enumerate(flags):
+            assert state.scale == res.scales[step], (name, step)
+            state = sc.update(state, flag)
+        assert res.final_scale == state.scale
+    # DeepSpeed's 2**32 must first back off until the step's gradient fits: the
+    # first overflow only spends the hysteresis credit, each later one halves.
+    scale, credit, t = 2.0**32, 2, 0
+    while trace.max_abs_grad[t] * scale > FP16_MAX:
+        scale, credit = (scale, credit - 1) if credit > 1 else (scale / 2, credit)
+        t += 1
+    assert results["deepspeed"].recovery_steps[0] == t
+    # PyTorch's 2**16 meets only the largest spikes.
+    assert results["torch"].skipped_steps < results["deepspeed"].skipped_steps
+
+
+def test_the_nan_burst_separates_floors_from_collapses() -> None:
+    results = simulate(example_trace("nan-burst"), sorted(sc.PRESETS))
+    # No floor: 2**16 halves 142 times to 2**-126; the 143rd backoff is refused.
+    assert results["torch"].collapse_step == 700 + 142
+    assert results["keras"].collapse_step == 700 + 141  # starts at 2**15
+    # DeepSpeed: hysteresis absorbs step 700, 32 backoffs take 2**32 to the floor 1,
+    # and raise_error_at_min_scale refuses the next overflow.
+    assert results["deepspeed"].collapse_step == 700 + 1 + 32
+    for name in ("jmp", "megatron", "paddle", "flax"):
+        res = results[name]
+        assert not res.collapsed, name
+        assert res.skipped_steps == 150
+        assert res.recovery_steps == (150,)
+    # jmp reaches its floor of 1 after 15 halvings of 2**15 and stays there.
+    assert results["jmp"].steps_at_floor == 1500 - 715
+    assert results["jmp"].final_scale == 1.0
+
+
+def test_a_users_own_policy_runs_in_the_simulator() -> None:
+    def fail_open(state: sc.ScalerState, found: Any) -> sc.ScalerState:
+        new = sc.update(dataclasses.replace(state, config=sc.ScalerConfig()), found)
+        scale = 0.0 if found else new.scale
+        return dataclasses.replace(new, config=state.config, scale=scale)
+
+    trace = Trace(name="t", found=(False, True, False))
+    res = simulate(trace, {"mine": (sc.ScalerConfig(), fail_open), "torch": "torch"})
+    assert res["mine"].collapsed
+    assert res["mine"].collapse_step == 2
+    assert not res["torch"].collapsed
+
+
+def test_max_abs_grad_overflow_depends_on_the_dtype() -> None:
+    config = sc.ScalerConfig(init_scale=2.0**15)
+    fits = Trace(name="t", max_abs_grad=(1.99,))  # 1.99 * 2**15 = 65208 <= 65504
+    assert simulate(fits, {"p": config})["p"].skipped_steps == 0
+    trace = Trace(name="t", max_abs_grad=(2.0,))  # 65536 > 65504
+    assert simulate(trace, {"p": config}, dtype="float16")["p"].skipped_steps == 1
+    assert simulate(trace, {"p": config}, dtype="bfloat16")["p"].skipped_steps == 0
+    nan = Trace(name="t", max_abs_grad=(math.nan,))
+    assert simulate(nan, {"p": config}, dtype="float32")["p"].skipped_steps == 1
+
+
+@pytest.mark.parametrize(
+    ("name", "text", "message"),
+    [
+        ("a.csv", "step,loss\n0,1\n", "needs a 'found' or a 'max_abs_grad' column"),
+        ("a.csv", "found\n1\nmaybe\n", "row 3: found='maybe'"),
+        ("a.csv", "max_abs_grad\n-1\n", "max_abs_grad[0]=-1.0, but it must be >= 0"),
+        ("a.json", '{"found": []}', "has no steps"),
+        ("a.json", "[1, 2]", "not a JSON object"),
+        ("a.json", '{"max_abs_grad": [1, "x"]}', "max_abs_grad[1]: max_abs_grad='x'"),
+        ("a.txt", "found\n1\n", "must be .csv or .json"),
+    ],
+)
+def test_bad_traces_are_refused_by_name(tmp_path: Path, name: str, text: str, message: str) -> None:
+    path = tmp_path / name
+    path.write_text(text)
+    with pytest.raises(TraceError, match=message.replace("[", r"\[").replace("]", r"\]")):
+        load_trace(path)
+
+
+def test_both_formats_read_alike(tmp_path: Path) -> None:
+    (tmp_path / "t.csv").write_text("step,max_abs_grad\n0,0.5\n1,nan\n2,inf\n")
+    (tmp_path / "t.json").write_text('{"max_abs_grad": [0.5, null, Infinity]}')
+    a, b = load_trace(tmp_path / "t.csv"), load_trace(tmp_path / "t.json")
+    assert a.max_abs_grad is not None
+    assert b.max_abs_grad is not None
+    assert a.max_abs_grad[0] == b.max_abs_grad[0] == 0.5
+    assert all(not math.isfinite(g) for g in (*a.max_abs_grad[1:], *b.max_abs_grad[1:]))
+
+
+def test_cli_table(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["simulate", "nan-burst", "--policy", "torch", "--policy", "jmp"]) == 0
+    out = capsys.readouterr().out
+    assert "trace nan-burst: 1500 steps, found flags" in out
+    torch_row = next(line for line in out.splitlines() if line.startswith("torch"))
+    assert "at step 842" in torch_row
+
+
+def test_cli_json_and_plot_through_python_m(tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib", reason="--plot needs matplotlib")
+    png = tmp_path / "scales.png"
+    proc = subprocess.run(
+        [sys.executable, "-m", "scaler_core", "simulate", "spikes", "--json", "--plot", str(png)],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=120,
+    )
+    report = json.loads(proc.stdout)
+    assert report["steps"] == 3000
+    assert [p["policy"] for p in report["policies"]] == sorted(sc.PRESETS)
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_cli_takes_a_users_policy_by_module_path(tmp_path: Path) -> None:
+    (tmp_path / "my_policies.py").write_text(
+        "import scaler_core as sc\n"
+        "cautious = sc.ScalerConfig(init_scale=2.0**10, growth_interval=50)\n"
+    )
+    policies = ["--policy", "my_policies:cautious", "--policy", "torch"]
+    proc = subprocess.run(
+        [sys.executable, "-m", "scaler_core", "simulate", "spikes", "--json", *policies],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=120,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), *sys.path])},
+    )
+    names = [p["policy"] for p in json.loads(proc.stdout)["policies"]]
+    assert names == ["cautious", "torch"]
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["simulate", "nowhere.csv"], "trace='nowhere.csv' is not a file"),
+        (["simulate", "spikes", "--policy", "tf"], "--policy 'tf' is not a preset"),
+        (["simulate", "spikes", "--policy", "no_such_mod:x"], "cannot be imported"),
+    ],
+)
+def test_cli_errors_are_one_line_with_exit_code_2(
+    argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert message in err
+    assert err.count("\n") == 1
+
+
+def test_grad_maxima_marks_the_corrupted_steps() -> None:
+    g = grad_maxima(20, seed=3, corrupt=(5, 7))
+    assert [i for i, x in enumerate(g) if not np.isfinite(x)] == [5, 6, 7]

@@ -1,0 +1,164 @@
+"""State in and out: JSON-safe, versioned, validated on load like construction."""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import json
+from typing import Any
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+import scaler_core as sc
+from scaler_core.testing import configs, flag_sequences
+
+
+def run(cfg: sc.ScalerConfig, flags: list[bool]) -> sc.ScalerState:
+    state = sc.init(cfg)
+    for found in flags:
+        try:
+            state = sc.update(state, found)
+        except sc.ScaleCollapseError:
+            continue
+    return state
+
+
+@given(configs(), flag_sequences(max_size=60))
+def test_round_trip_through_json_keeps_every_field(cfg: sc.ScalerConfig, flags: list[bool]) -> None:
+    state = run(cfg, flags)
+    text = json.dumps(sc.to_dict(state), allow_nan=False)
+    assert sc.from_dict(json.loads(text)) == state
+
+
+def good() -> dict[str, Any]:
+    return sc.to_dict(run(sc.ScalerConfig(growth_interval=4, hysteresis=2), [True, False]))
+
+
+def edit(path: tuple[str, ...], value: Any) -> dict[str, Any]:
+    d = good()
+    node = d
+    for key in path[:-1]:
+        node = node[key]
+    node[path[-1]] = value
+    return d
+
+
+def drop(path: tuple[str, ...]) -> dict[str, Any]:
+    d = good()
+    node = d
+    for key in path[:-1]:
+        node = node[key]
+    del node[path[-1]]
+    return d
+
+
+MALFORMED = {
+    "empty": ({}, "non-empty"),
+    "not a dict": ([1, 2], "a dict"),
+    "none": (None, "a dict"),
+    "other schema": (edit(("schema",), "torch"), "schema"),
+    "future version": (edit(("version",), 2), "upgrade"),
+    "bool version": (edit(("version",), True), "version"),
+    "unknown key": ({**good(), "extra": 1}, "unknown keys"),
+    "missing state": (drop(("state",)), "missing keys"),
+    "partial state": (drop(("state", "steps")), "missing keys"),
+    "partial config": (drop(("config", "growth_interval")), "missing keys"),
+    "nan scale": (edit(("state", "scale"), float("nan")), "scale"),
+    "zero scale": (edit(("state", "scale"), 0.0), "scale"),
+    "subnormal scale": (edit(("state", "scale"), 1e-40), "scale"),
+    "huge int scale": (edit(("state", "scale"), 10**400), "scale"),
+    "string scale": (edit(("state", "scale"), "65536"), "scale"),
+    "tracker too big": (edit(("state", "growth_tracker"), 4), "growth_tracker"),
+    "negative tracker": (edit(("state", "growth_tracker"), -1), "growth_tracker"),
+    "float tracker": (edit(("state", "growth_tracker"), 1.0), "growth_tracker"),
+    "bool tracker": (edit(("state", "growth_tracker"), True), "growth_tracker"),
+    "hysteresis 0": (edit(("state", "hysteresis_tracker"), 0), "hysteresis_tracker"),
+    "skips > steps": (edit(("state", "skipped_steps"), 99), "skipped_steps"),
+    "bad config": (edit(("config", "growth_factor"), 0.5), "growth_factor"),
+    "config not dict": (edit(("config",), "torch"), "a dict"),
+    "scale below floor": (
+        {**good(), "config": {**good()["config"], "min_scale": 2.0**20, "init_scale": 2.0**20}},
+        "scale",
+    ),
+}
+
+
+@pytest.mark.parametrize(("data", "words"), MALFORMED.values(), ids=MALFORMED.keys())
+def test_malformed_checkpoints_get_a_clear_error(data: Any, words: str) -> None:
+    before = copy.deepcopy(data)
+    with pytest.raises(sc.InvalidStateError, match=words):
+        sc.from_dict(data)
+    assert data == before, "from_dict modified its input"
+    assert isinstance(sc.InvalidStateError("x"), ValueError)
+
+
+@given(
+    st.recursive(
+        st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=5),
+        lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=8), inner),
+        max_leaves=12,
+    )
+)
+def test_hostile_input_only_ever_raises_invalid_state(data: Any) -> None:
+    for candidate in (data, {**good(), "state": data}, {**good(), "config": data}):
+        with contextlib.suppress(sc.InvalidStateError):  # anything else fails the test
+            sc.from_dict(candidate)
+
+
+def test_failed_load_leaves_the_scaler_as_it_was() -> None:
+    scaler = sc.GradScaler()
+    before = scaler.state
+    with pytest.raises(sc.InvalidStateError):
+        scaler.load_state_dict(edit(("state", "steps"), -5))
+    assert scaler.state is before
+
+
+TORCH_BAD = {
+    "disabled scaler saves {}": ({}, "non-empty"),
+    "missing tracker": (
+        {"scale": 1.0, "growth_factor": 2.0, "backoff_factor": 0.5, "growth_interval": 10},
+        "missing keys",
+    ),
+    "negative scale": (
+        {
+            "scale": -1.0,
+            "growth_factor": 2.0,
+            "backoff_factor": 0.5,
+            "growth_interval": 10,
+            "_growth_tracker": 0,
+        },
+        "init_scale",
+    ),
+    "tracker past interval": (
+        {
+            "scale": 1.0,
+            "growth_factor": 2.0,
+            "backoff_factor": 0.5,
+            "growth_interval": 10,
+            "_growth_tracker": 10,
+        },
+        "_growth_tracker",
+    ),
+}
+
+
+@pytest.mark.parametrize(("data", "words"), TORCH_BAD.values(), ids=TORCH_BAD.keys())
+def test_malformed_torch_state_dicts(data: dict[str, Any], words: str) -> None:
+    with pytest.raises(sc.InvalidStateError, match=words):
+        sc.from_torch_state_dict(data)
+
+
+def test_torch_format_round_trip_without_torch() -> None:
+    state = run(sc.ScalerConfig(growth_interval=9, min_scale=4.0), [False, False, True, False])
+    exported = sc.to_torch_state_dict(state)
+    assert exported == {
+        "scale": 32768.0,
+        "growth_factor": 2.0,
+        "backoff_factor": 0.5,
+        "growth_interval": 9,
+        "_growth_tracker": 1,
+    }
+    back = sc.from_torch_state_dict(exported, sc.ScalerConfig(min_scale=4.0))
+    assert (back.scale, back.growth_tracker, back.config.min_scale) == (32768.0, 1, 4.0)

@@ -1,0 +1,41 @@
+"""Every ``>>>`` example in the package's docstrings runs and gives what it shows."""
+
+from __future__ import annotations
+
+import doctest
+import importlib
+import pkgutil
+
+import pytest
+
+import scaler_core
+import scaler_core.backends
+
+# The package and its backends, found where they are (inside the package once installed,
+# beside it in a checkout).
+MODULES = sorted(
+    {m.name for m in pkgutil.walk_packages(scaler_core.__path__, "scaler_core.")}
+    | {m.name for m in pkgutil.iter_modules(scaler_core.backends.__path__, "scaler_core.backends.")}
+)
+
+#: Modules that need an optional dependency: skipped cleanly without it.
+OPTIONAL = {
+    "scaler_core.jax": ("jax",),
+    "scaler_core.optax": ("jax", "optax"),
+    "scaler_core.backends._jax": ("jax",),
+    "scaler_core.backends._cupy": ("cupy",),
+    "scaler_core.backends._numpy_kernels": ("numba",),
+}
+
+
+def test_the_backends_are_among_the_modules() -> None:
+    assert {"scaler_core.backends._common", "scaler_core.backends._numpy"} <= set(MODULES)
+
+
+@pytest.mark.parametrize("name", MODULES)
+def test_docstring_examples_run(name: str) -> None:
+    for dep in OPTIONAL.get(name, ()):
+        pytest.importorskip(dep, reason=f"{name} needs {dep}")
+    module = importlib.import_module(name)
+    result = doctest.testmod(module, optionflags=doctest.ELLIPSIS)
+    assert result.failed == 0, f"{result.failed} docstring example(s) failed in {name}"

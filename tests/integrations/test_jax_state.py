@@ -1,0 +1,166 @@
+"""The state as a JAX pytree, and the device transition against the host one."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+jax = pytest.importorskip("jax", reason="the JAX backend needs jax")
+jnp = pytest.importorskip("jax.numpy", reason="the JAX backend needs jax")
+
+import scaler_core as sc  # noqa: E402
+from scaler_core._state import DATA_FIELDS, classify, host_update  # noqa: E402
+from scaler_core.jax import to_device  # noqa: E402
+from scaler_core.testing import configs, flag_sequences  # noqa: E402
+
+FLAGS_LEN = 64  # fixed length: one compile per config, not per sequence length
+
+
+def _fields(state: sc.ScalerState) -> tuple[Any, ...]:
+    return tuple(getattr(state, n).item() for n in DATA_FIELDS)
+
+
+def _host_fields(state: sc.ScalerState) -> tuple[Any, ...]:
+    return tuple(getattr(state, n) for n in DATA_FIELDS)
+
+
+def test_pytree_split_comes_from_the_declaration() -> None:
+    leaves = [f.name for f in dataclasses.fields(sc.ScalerState) if not f.metadata["static"]]
+    assert tuple(leaves) == DATA_FIELDS
+    state = to_device(sc.init(sc.ScalerConfig(min_scale=4.0, max_scale=2.0**20)))
+    flat, _ = jax.tree_util.tree_flatten(state)
+    assert len(flat) == len(DATA_FIELDS)
+    assert all(isinstance(x, jax.Array) for x in flat)
+    assert state.scale.dtype == jnp.float32
+    assert state.steps.dtype == jnp.int32
+
+
+@given(config=configs(), steps=st.integers(0, 50), skipped=st.integers(0, 50))
+@settings(max_examples=15)
+def test_flatten_unflatten_jit_tree_map_and_vmap_keep_every_field(
+    config: sc.ScalerConfig, steps: int, skipped: int
+) -> None:
+    skipped = min(steps, skipped)
+    host = dataclasses.replace(sc.init(config), steps=steps, skipped_steps=skipped)
+    state = to_device(host)
+    flat, treedef = jax.tree_util.tree_flatten(state)
+    back = jax.tree_util.tree_unflatten(treedef, flat)
+    through_jit = jax.jit(lambda s: s)(state)
+    mapped = jax.tree_util.tree_map(lambda x: x, state)
+    for out in (back, through_jit, mapped):
+        assert out.config == config  # min_scale, max_scale and every knob included
+        assert out.config.min_scale == config.min_scale
+        assert out.to_host() == host
+    stacked = jax.tree_util.tree_map(lambda *xs: jnp.stack(xs), state, state)
+    stepped = jax.vmap(sc.update)(stacked, jnp.asarray([False, True]))
+    assert stepped.config == config
+    for i, flag in enumerate((False, True)):
+        one = jax.tree_util.tree_map(lambda x, i=i: x[i], stepped)
+        try:
+            expected = host_update(host, flag)
+        except sc.ScaleCollapseError:
+            assert int(one.failure) != 0
+        else:
+            assert one.to_host() == expected
+
+
+def _scan(config: sc.ScalerConfig) -> Any:
+    def run(state: sc.ScalerState, flags: Any) -> Any:
+        def body(s: sc.ScalerState, f: Any) -> Any:
+            new = sc.update(s, f)
+            return new, new
+
+        return jax.lax.scan(body, state, flags)[1]
+
+    return jax.jit(run)
+
+
+@given(config=configs(), flags=flag_sequences(max_size=FLAGS_LEN))
+@settings(max_examples=20)
+def test_device_transition_equals_host_transition(config: sc.ScalerConfig, flags: list) -> None:
+    flags = (flags + [False] * FLAGS_LEN)[:FLAGS_LEN]
+    traj = _scan(config)(to_device(sc.init(config)), jnp.asarray(flags))
+    host = sc.init(config)
+    failed: sc.Failure | None = None
+    for i, flag in enumerate(flags):
+        dev = jax.tree_util.tree_map(lambda x, i=i: x[i], traj)
+        if failed is None:
+            kind = classify(host, flag)
+            if kind.fails:
+                failed = sc.Failure[kind.name]
+            else:
+                host = host_update(host, flag)
+        if failed is None:
+            assert _fields(dev) == _host_fields(host), f"step {i}"
+        else:
+            # The device keeps the last valid values and records why it stopped.
+            assert _fields(dev)[:-1] == _host_fields(host)[:-1], f"step {i}"
+            assert int(dev.failure) == int(failed)
+            err = sc.SkipLimitError if failed is sc.Failure.SKIP_LIMIT else sc.ScaleCollapseError
+            with pytest.raises(err):
+                dev.check()
+            with pytest.raises(err):
+                dev.current_scale()
+            with pytest.raises(err):
+                sc.to_dict(dev)
+
+
+def test_collapse_inside_jit_is_recorded_and_raised_on_first_look() -> None:
+    config = sc.ScalerConfig(init_scale=2.0**-125)
+    state = to_device(sc.init(config))
+    step = jax.jit(sc.update)
+    once = step(state, jnp.asarray(True))  # 2**-126 is still normal
+    assert once.current_scale() == 2.0**-126
+    twice = step(once, jnp.asarray(True))  # 2**-127 is subnormal: collapse
+    assert int(twice.failure) == int(sc.Failure.COLLAPSE)
+    assert float(twice.scale) == 2.0**-126  # the last valid scale
+    with pytest.raises(sc.ScaleCollapseError, match="device transition recorded"):
+        twice.current_scale()
+    frozen = step(twice, jnp.asarray(False))  # a failed state stays frozen
+    assert _fields(frozen) == _fields(twice)
+    # to_device moves a recorded failure along (as scaler_core.cupy.to_device does):
+    # it reads nothing back, and the first host-side look still raises.
+    moved = to_device(twice)
+    assert int(moved.failure) == int(sc.Failure.COLLAPSE)
+    with pytest.raises(sc.ScaleCollapseError, match="device transition recorded"):
+        moved.check()
+    with pytest.raises(sc.InvalidArgumentError, match="must be a ScalerState"):
+        to_device({"scale": 1.0})  # type: ignore[arg-type]
+
+
+@given(
+    period=st.integers(1, 12),
+    factor=st.sampled_from([2.0, 4.0]),
+    init_exp=st.integers(-20, 30),
+    min_exp=st.integers(-40, 0),
+    flags=flag_sequences(max_size=FLAGS_LEN),
+)
+@settings(max_examples=12)
+def test_trajectory_equals_jmp_dynamic_loss_scale(
+    period: int, factor: float, init_exp: int, min_exp: int, flags: list
+) -> None:
+    jmp = pytest.importorskip("jmp", reason="jmp is the oracle here")
+    flags = (flags + [False] * FLAGS_LEN)[:FLAGS_LEN]
+    init_scale, min_scale = 2.0**init_exp, 2.0 ** min(min_exp, init_exp)
+    config = sc.ScalerConfig(
+        init_scale=init_scale,
+        growth_factor=factor,
+        backoff_factor=1.0 / factor,
+        growth_interval=period,
+        min_scale=min_scale,
+    )
+    theirs = jmp.DynamicLossScale(
+        loss_scale=jnp.float32(init_scale),
+        period=period,
+        factor=factor,
+        min_loss_scale=jnp.float32(min_scale),
+    )
+    ours = _scan(config)(to_device(sc.init(config)), jnp.asarray(flags))
+    for i, flag in enumerate(flags):
+        theirs = theirs.adjust(jnp.asarray(not flag))
+        assert float(ours.scale[i]) == float(theirs.loss_scale), f"step {i}"
+        assert int(ours.growth_tracker[i]) == int(theirs.counter), f"step {i}"

@@ -21,6 +21,7 @@ rounding is NumPy's), and are checked with a bit test on their ``uint16`` view.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import math
 import operator
@@ -60,6 +61,11 @@ _CHUNK_BYTES = 1 << 20
 #: (2000 x 1024 float32) two threads took 0.28-0.34 ms against one thread's
 #: 0.37-0.63 ms, interleaved with PyTorch's OpenMP work, and no call stalled.
 _PARALLEL_MIN_BYTES = 4 << 20
+#: One parallel region at a time, whichever thread calls: numba's workqueue threading
+#: layer (used where neither TBB nor GNU OpenMP is installed, e.g. on many macOS setups)
+#: aborts the process when two threads launch parallel regions at once. Two regions
+#: at once would share the same cores anyway.
+_PARALLEL_LOCK = threading.Lock()
 #: Parallel detection walks the work items in batches of this many bytes and
 #: stops after the first batch with a hit, as the serial kernels stop at it.
 _DETECT_BATCH_BYTES = 64 << 20
@@ -465,8 +471,10 @@ def _numba_unscale(k: ModuleType, plan: _Plan, inv: float) -> bool:
     for dtype, table in plan.tables.items():
         if dtype in _EXPONENT:
             continue
-        run = k.unscale_parallel if parallel and table.addrs.size > 1 else k.unscale
-        acc = run(table.addrs, table.sizes, dtype.type(inv), table.like)
+        threads = parallel and table.addrs.size > 1
+        run = k.unscale_parallel if threads else k.unscale
+        with _PARALLEL_LOCK if threads else contextlib.nullcontext():
+            acc = run(table.addrs, table.sizes, dtype.type(inv), table.like)
         found = found or math.isnan(acc)
     for flat in plan.halves:
         found = _half_unscale(flat, inv, k) or found
@@ -493,9 +501,11 @@ def _detect_items(
     addrs, sizes = table.addrs[part], table.sizes[part]
     if dtype in _EXPONENT:
         run = k.detect_bits_parallel if parallel else k.detect_bits
-        return bool(run(addrs, sizes, table.masks[part]))
+        with _PARALLEL_LOCK if parallel else contextlib.nullcontext():
+            return bool(run(addrs, sizes, table.masks[part]))
     run = k.detect_parallel if parallel else k.detect
-    return math.isnan(run(addrs, sizes, table.like))
+    with _PARALLEL_LOCK if parallel else contextlib.nullcontext():
+        return math.isnan(run(addrs, sizes, table.like))
 
 
 def _numba_unscale_arrays(k: ModuleType, leaves: list[np.ndarray], inv: float) -> bool:

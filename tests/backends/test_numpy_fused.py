@@ -575,3 +575,49 @@ def test_the_header_layout_is_trusted_here() -> None:
     backend = fused.NumpyBackend(use_numba=True)
     _cached_set(backend)
     assert backend._plans
+
+
+_CONCURRENT = """
+import sys, threading
+import numba, numpy as np
+import scaler_core as sc
+
+backend = sc.get_backend("numpy")
+sets = [[np.full(1 << 18, 2.0, np.float32) for _ in range(8)] for _ in range(2)]  # 8 MiB
+errors = []
+
+def work(grads):
+    try:
+        for _ in range(30):
+            backend.unscale(grads, 2.0)
+            backend.unscale(grads, 0.5)
+            backend.find_non_finite(grads)
+    except Exception as exc:
+        errors.append(exc)
+
+threads = [threading.Thread(target=work, args=(g,)) for g in sets]
+for t in threads:
+    t.start()
+for t in threads:
+    t.join()
+assert not errors, errors
+assert all((g == 2.0).all() for s in sets for g in s)
+print(backend.path, numba.threading_layer())
+"""
+
+
+@needs_numba
+def test_two_threads_unscaling_at_once_under_the_workqueue_layer() -> None:
+    """numba's workqueue layer aborts the process (rc 134) on two parallel regions at once;
+    the backend runs one at a time, whichever thread calls."""
+    env = {**os.environ, "NUMBA_THREADING_LAYER": "workqueue"}
+    result = subprocess.run(
+        [sys.executable, "-c", _CONCURRENT],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.split() == ["numba", "workqueue"]

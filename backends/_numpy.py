@@ -464,10 +464,28 @@ class NumpyBackend(NumpyReferenceBackend):
 
 # -- the numba path -----------------------------------------------------------
 
+#: The process whose numba threads have started (None: not yet). A child forked after
+#: that inherits a thread pool that is not there: GNU OpenMP kills it at its first
+#: parallel region ("fork() called from a process already using GNU OpenMP"). So a
+#: forked child (multiprocessing's default start on Linux, data loaders) runs the
+#: one-thread kernels: the same results, on one core.
+_THREADS_PID: list[int | None] = [None]
+
+
+def _use_threads(nbytes: int) -> bool:
+    """Whether a set of ``nbytes`` runs on all threads, here, in this process."""
+    if nbytes < _PARALLEL_MIN_BYTES:
+        return False
+    pid = os.getpid()
+    if _THREADS_PID[0] is None:
+        _THREADS_PID[0] = pid
+    return _THREADS_PID[0] == pid
+
+
 
 def _numba_unscale(k: ModuleType, plan: _Plan, inv: float) -> bool:
     found = False
-    parallel = plan.nbytes >= _PARALLEL_MIN_BYTES
+    parallel = _use_threads(plan.nbytes)
     for dtype, table in plan.tables.items():
         if dtype in _EXPONENT:
             continue
@@ -484,7 +502,7 @@ def _numba_unscale(k: ModuleType, plan: _Plan, inv: float) -> bool:
 
 
 def _numba_detect(k: ModuleType, plan: _Plan) -> bool:
-    parallel = plan.nbytes >= _PARALLEL_MIN_BYTES
+    parallel = _use_threads(plan.nbytes)
     for dtype, table in plan.tables.items():
         n = table.addrs.size
         step = max(1, _DETECT_BATCH_BYTES // _CHUNK_BYTES) if parallel else max(1, n)

@@ -621,3 +621,51 @@ def test_two_threads_unscaling_at_once_under_the_workqueue_layer() -> None:
     )
     assert result.returncode == 0, result.stderr[-2000:]
     assert result.stdout.split() == ["numba", "workqueue"]
+
+
+_FORKED = """
+import multiprocessing, os, sys
+import numpy as np
+import scaler_core as sc
+from scaler_core.backends import _numpy
+
+backend = sc.get_backend("numpy")
+
+def big():
+    return [np.full(1 << 18, 2.0, np.float32) for _ in range(8)]  # 8 MiB: on threads
+
+def child_step(_):
+    grads = big()
+    backend.unscale(grads, 0.5)
+    return all((g == 4.0).all() for g in grads) and not backend.find_non_finite(grads)
+
+grads = big()
+backend.unscale(grads, 2.0)  # the parent's threads start
+assert _numpy._THREADS_PID[0] == os.getpid()
+pid = os.fork()
+if pid == 0:
+    os._exit(0 if child_step(None) else 3)
+_, status = os.waitpid(pid, 0)
+assert os.waitstatus_to_exitcode(status) == 0, f"the forked child ended with {status}"
+with multiprocessing.get_context("fork").Pool(2) as pool:
+    assert all(pool.map(child_step, range(4)))
+backend.unscale(grads, 0.5)  # the parent still runs on its threads
+assert _numpy._THREADS_PID[0] == os.getpid()
+print("ok")
+"""
+
+
+@needs_numba
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="no fork() on this platform")
+def test_a_child_forked_after_the_threads_started_still_unscales() -> None:
+    """GNU OpenMP kills a child forked after its threads started at the child's first
+    parallel region; the backend runs the one-thread kernels in such a child."""
+    result = subprocess.run(
+        [sys.executable, "-W", "ignore::DeprecationWarning", "-c", _FORKED],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.strip() == "ok"

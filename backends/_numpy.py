@@ -472,9 +472,24 @@ class NumpyBackend(NumpyReferenceBackend):
 _THREADS_PID: list[int | None] = [None]
 
 
+#: A float32 subnormal: multiplied by 1 in the calling thread it stays itself, unless
+#: the thread flushes subnormals (FTZ/DAZ, e.g. after torch.set_flush_denormal(True)).
+_SUBNORMAL, _ONE = np.float32(1e-40), np.float32(1.0)
+
+
+def _flushes_subnormals() -> bool:
+    """Whether the calling thread's floating-point mode flushes subnormals to zero."""
+    return bool(_SUBNORMAL * _ONE == 0)
+
+
 def _use_threads(nbytes: int) -> bool:
-    """Whether a set of ``nbytes`` runs on all threads, here, in this process."""
-    if nbytes < _PARALLEL_MIN_BYTES:
+    """Whether a set of ``nbytes`` runs on all threads, here, in this process.
+
+    Not when the calling thread flushes subnormals: numba's threads keep the mode
+    they started with, while NumPy (the reference) computes in the caller's mode. On
+    the calling thread the kernels give the reference's results in every mode.
+    """
+    if nbytes < _PARALLEL_MIN_BYTES or _flushes_subnormals():
         return False
     pid = os.getpid()
     if _THREADS_PID[0] is None:

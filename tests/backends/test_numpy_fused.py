@@ -669,3 +669,35 @@ def test_a_child_forked_after_the_threads_started_still_unscales() -> None:
     )
     assert result.returncode == 0, result.stderr[-2000:]
     assert result.stdout.strip() == "ok"
+
+
+_FLUSHING = """
+import numpy as np, torch
+import scaler_core as sc
+from scaler_core.backends._numpy_reference import NumpyReferenceBackend
+
+backend, reference = sc.get_backend("numpy"), NumpyReferenceBackend()
+backend.unscale([np.ones(1 << 22, np.float32)], 2.0)  # the threads start (16 MiB)
+assert torch.set_flush_denormal(True)  # the caller flushes subnormals from now on
+rng = np.random.default_rng(0)
+for n in (10 << 18, 1000):  # 10 MiB (would run on the threads) and a small set
+    host = (rng.standard_normal(n) * 1e-35).astype(np.float32)  # / 2**16: subnormal
+    fast, ref = [host.copy()], [host.copy()]
+    backend.unscale(fast, 2.0**16)
+    reference.unscale(ref, 2.0**16)
+    assert (ref[0] == 0).sum() > n // 4, "the reference did not flush"
+    assert fast[0].tobytes() == ref[0].tobytes(), n
+print("ok")
+"""
+
+
+@needs_numba
+def test_a_caller_that_flushes_subnormals_gets_the_references_results() -> None:
+    """numba's threads keep the floating-point mode they started in; a caller that turns
+    on flush-to-zero later gets the calling thread's kernels, as NumPy computes."""
+    pytest.importorskip("torch", reason="torch.set_flush_denormal sets the caller's FTZ mode")
+    result = subprocess.run(
+        [sys.executable, "-c", _FLUSHING], capture_output=True, text=True, timeout=300, check=False
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.strip() == "ok"

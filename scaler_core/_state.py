@@ -411,7 +411,7 @@ def host_update(state: ScalerState, found_non_finite: bool) -> ScalerState:
     elif kind is StepKind.HOLD_AT_FLOOR:
         growth = 0
     refill = cfg.hysteresis_refill
-    if refill != "on_growth" and not found_non_finite:
+    if cfg.dynamic and refill != "on_growth" and not found_non_finite:
         hyst = cfg.hysteresis
     if refill == "on_clean_step_or_backoff" and kind in (
         StepKind.BACKOFF,
@@ -484,7 +484,7 @@ def device_update(xp: Any, state: ScalerState, found_non_finite: Any) -> ScalerS
             can_grow = xp.asarray(True)
         absorbed = found & (hyst > one)
         backing_off = found & ~absorbed
-        backed = scale * f32_(cfg.backoff_factor)
+        backed = _backoff_product(xp, scale, f32_(cfg.backoff_factor))
         if cfg.min_scale is not None:
             floor = f32_(cfg.min_scale)
             backed = xp.maximum(backed, floor)
@@ -515,6 +515,27 @@ def device_update(xp: Any, state: ScalerState, found_non_finite: Any) -> ScalerS
     new = [new_scale, new_growth, new_hyst, new_steps, new_skipped, new_consec]
     out = [xp.where(keep, o, n).astype(o.dtype) for o, n in zip(old[:-1], new, strict=True)]
     return _make(cfg, [*out, fail])
+
+
+#: The float32 just below 2**-102: a product ``p`` with ``p * 2**24`` at least this
+#: rounds (ties to even) to FLT_MIN, not to a subnormal.
+_BELOW_2_102 = (2.0**24 - 1) * 2.0**-126
+
+
+def _backoff_product(xp: Any, scale: Any, factor: Any) -> Any:
+    """``f32(scale * factor)`` as IEEE rounds it, also where the device flushes subnormals.
+
+    XLA (CPU and GPU) flushes a subnormal float32 result to 0, which would turn a
+    product that IEEE rounds *up* to FLT_MIN (``FLT_MIN * (1 - 2**-24)`` is such a
+    tie) into a recorded collapse the host does not see. The same product taken
+    ``2**24`` higher is normal, and rounding is monotonic, so comparing it with the
+    float32 just below ``2**-102`` says whether IEEE gives FLT_MIN.
+    """
+    f32_ = xp.float32
+    backed = scale * factor
+    high = (scale * f32_(2.0**24)) * factor
+    rounds_to_min = (backed < f32_(FLT_MIN)) & (high >= f32_(_BELOW_2_102))
+    return xp.where(rounds_to_min, f32_(FLT_MIN), backed)
 
 
 def _failure_error(failure: Failure, state: ScalerState, *, recorded: bool) -> ScaleCollapseError:

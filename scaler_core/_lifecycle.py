@@ -242,7 +242,7 @@ class GradScaler:
     def scale_loss(self, loss: T) -> T:
         """``loss * scale``: backpropagate this instead of ``loss``."""
         self._next(Call.SCALE_LOSS)
-        return self._backend_for(loss).scale_loss(loss, self._state.scale)  # type: ignore[no-any-return]
+        return self._backend_for(loss, "loss").scale_loss(loss, self._state.scale)  # type: ignore[no-any-return]
 
     def unscale(self, grads: T, group: Hashable = DEFAULT_GROUP) -> T:
         """Unscale one group's gradients (in place where the library allows).
@@ -372,11 +372,11 @@ class GradScaler:
         return f"GradScaler(state={self._state!r})"
 
     # ---------------------------------------------------------------- internal
-    def _backend_for(self, values: Any) -> Backend:
+    def _backend_for(self, values: Any, what: str = "grads") -> Backend:
         if self._backend is None:
             if values is None:
                 return get_backend("numpy")
-            self._backend = backend_for(values)
+            self._backend = backend_for(values, root=what)
         return self._backend
 
     def _next(self, call: Call, group: Hashable = DEFAULT_GROUP) -> StepPhase:

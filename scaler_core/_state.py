@@ -596,6 +596,9 @@ def host_flag(found: object, what: str = "found_non_finite") -> bool | None:
         if str(getattr(found, "dtype", "")) == "bool" and getattr(found, "shape", None) == ():
             return bool(found)
         raise flag_error(what, repr(found))
-    if isinstance(found, (int, float, complex, str, bytes)) or found is None:
-        raise flag_error(what, repr(found))
+    if (
+        isinstance(found, (int, float, complex, str, bytes, list, tuple, dict, set))
+        or found is None
+    ):
+        raise flag_error(what, repr(found))  # a container of flags is not a flag either
     return None

@@ -272,3 +272,13 @@ def test_a_refused_update_leaves_a_way_out(config: sc.ScalerConfig, error: type)
     scaler.unscale({"w": np.full(3, scaler.scale, np.float32)})  # ... and train on
     assert not scaler.should_skip_step()
     assert scaler.update().steps == 1
+
+
+def test_messages_name_the_loss_and_the_flag_not_the_gradients() -> None:
+    with pytest.raises(sc.GradientTypeError, match=r"^loss is a builtins\.float") as info:
+        sc.GradScaler().scale_loss(1.0)
+    assert "grads" not in str(info.value)
+    for bad in ([True], (np.bool_(True),), {"found": True}):
+        with pytest.raises(sc.GradientTypeError, match=r"^found_non_finite=") as err:
+            sc.update(sc.init(), bad)
+        assert "grads" not in str(err.value)

@@ -177,10 +177,10 @@ def to_torch_state_dict(state: ScalerState) -> dict[str, Any]:
     }
 
 
-def _torch_field(base: ScalerConfig, field: str, key: str, value: object) -> None:
+def _torch_field(base: ScalerConfig, field: str, key: str, value: Any) -> None:
     """Check one key of a PyTorch state dict as the config field it becomes, by its key."""
     try:
-        dataclasses.replace(base, **{field: value})
+        dataclasses.replace(base, **{field: value})  # validated as the constructor does
     except InvalidConfigError as exc:
         must = str(exc).split(", but it must be ", 1)[-1]
         raise _bad(f"state_dict[{key!r}]", value, must) from exc

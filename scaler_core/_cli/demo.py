@@ -138,6 +138,11 @@ class DemoSettings:
         _check_int("seed", self.seed, 0, 2**63 - 1)
         _check_positive("lr", self.lr)
         _check_positive("loss_weight", self.loss_weight)
+        if not _finite_f32(self.lr / self.loss_weight):  # the step size actually applied
+            raise InvalidArgumentError(
+                f"lr / loss_weight = {self.lr / self.loss_weight:g}, but the learning rate "
+                f"actually applied must be a finite float32; lower lr or raise loss_weight"
+            )
         if self.backend not in ARRAY_MODULES:
             raise InvalidArgumentError(
                 f"backend={self.backend!r}, but the demo runs on one of {sorted(ARRAY_MODULES)}"
@@ -159,12 +164,19 @@ def _check_int(name: str, value: object, low: int, high: int) -> None:
         raise InvalidArgumentError(f"{name}={value!r}, but it must be an int in [{low}, {high}]")
 
 
+def _finite_f32(value: float) -> bool:
+    """Whether ``value`` stays finite as a float32 (1e39 does not)."""
+    with np.errstate(over="ignore"):
+        return bool(np.isfinite(np.float32(value)))
+
+
 def _check_positive(name: str, value: object) -> None:
     if (
         isinstance(value, bool)
         or not isinstance(value, (int, float))
         or not math.isfinite(value)
         or not value > 0
+        or not _finite_f32(value)  # the demo computes in float32
         or not np.float32(value) > 0
     ):
         raise InvalidArgumentError(

@@ -78,6 +78,7 @@ __all__ = [
     "host_flag",
     "host_update",
     "init",
+    "register_flax_serialization",
     "register_pytree",
     "require_state",
     "start_state",
@@ -189,6 +190,11 @@ class ScalerState:
                 register_pytree()
             except ImportError:  # a stub or broken "jax" module: nothing to register with
                 _PYTREE[0] = True
+        if not _FLAX[0] and "flax.serialization" in sys.modules:
+            try:
+                register_flax_serialization()
+            except ImportError:  # a broken flax: nothing to register with
+                _FLAX[0] = True
 
     @property
     def on_host(self) -> bool:
@@ -253,6 +259,50 @@ def register_pytree() -> None:
             if "egistration" not in str(exc):
                 raise
         _PYTREE[0] = True
+
+
+_FLAX = [False]
+
+
+def register_flax_serialization() -> None:
+    """Register :class:`ScalerState` with ``flax.serialization`` (idempotent; imports flax).
+
+    Then ``flax.serialization.to_bytes`` / ``from_bytes`` (and flax checkpoints) save
+    a state's data fields and restore them into a target state, which brings the
+    config (static, as under ``jit``). Called by every state construction once flax
+    is imported, so a user rarely needs to call it.
+    """
+    if _FLAX[0]:
+        return
+    with _PYTREE_LOCK:
+        if _FLAX[0]:
+            return
+        from flax import serialization  # noqa: PLC0415 - flax is optional; imported only here
+
+        def to_state(state: ScalerState) -> dict[str, Any]:
+            return {n: serialization.to_state_dict(getattr(state, n)) for n in DATA_FIELDS}
+
+        def from_state(target: ScalerState, data: dict[str, Any]) -> ScalerState:
+            missing = [n for n in DATA_FIELDS if n not in data]
+            if missing:
+                raise InvalidStateError(
+                    f"flax state dict {sorted(data)!r} lacks the ScalerState fields "
+                    f"{missing!r}; restore a state saved from a ScalerState"
+                )
+            values = {
+                n: serialization.from_state_dict(getattr(target, n), data[n], name=n)
+                for n in DATA_FIELDS
+            }
+            return ScalerState(target.config, **values)
+
+        try:
+            serialization.register_serialization_state(  # type: ignore[no-untyped-call, unused-ignore]
+                ScalerState, to_state, from_state
+            )
+        except ValueError as exc:  # already registered (a reloaded module)
+            if "already registered" not in str(exc):
+                raise
+        _FLAX[0] = True
 
 
 def _make(config: ScalerConfig, values: list[Any]) -> ScalerState:

@@ -457,9 +457,10 @@ class NumpyBackend(NumpyReferenceBackend):
             with np.errstate(all="ignore"):
                 return np.bool_(_numpy_detect(leaves))
         prepared = self._prepare(grads, writable=False)
-        if isinstance(prepared, list):
-            return np.bool_(_numba_detect_arrays(kernels, prepared))
-        return np.bool_(_numba_detect(kernels, prepared))
+        with np.errstate(invalid="ignore"):  # a signalling NaN is an answer, not a warning
+            if isinstance(prepared, list):
+                return np.bool_(_numba_detect_arrays(kernels, prepared))
+            return np.bool_(_numba_detect(kernels, prepared))
 
 
 # -- the numba path -----------------------------------------------------------
@@ -495,7 +496,6 @@ def _use_threads(nbytes: int) -> bool:
     if _THREADS_PID[0] is None:
         _THREADS_PID[0] = pid
     return _THREADS_PID[0] == pid
-
 
 
 def _numba_unscale(k: ModuleType, plan: _Plan, inv: float) -> bool:

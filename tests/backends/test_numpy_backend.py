@@ -168,3 +168,17 @@ def test_a_memmap_is_a_plain_buffer_and_is_unscaled(tmp_path: Any) -> None:
     _, found = sc.unscale([mapped], 2.0)
     assert not found
     assert mapped.tolist() == [2.0] * 6
+
+
+@pytest.mark.parametrize("scale", [1.0, 2.0])
+def test_a_signalling_nan_is_found_without_a_warning_on_every_path(scale: float) -> None:
+    """NumPy warns 'invalid value' on a signalling NaN; the flag is the answer (and the
+    test suite turns warnings into errors, so a warning would fail here)."""
+    for backend in _every_numpy_path():
+        for count in (1, 40):  # one array, and a cached set
+            grads = [np.ones(4, np.float32) for _ in range(count)]
+            grads[-1].view(np.uint32)[2] = 0x7FA00000  # a signalling NaN
+            assert bool(backend.find_non_finite(grads))
+            assert bool(backend.find_non_finite(grads))  # again: the cached plan
+            _, found = backend.unscale(grads, scale)
+            assert bool(found)

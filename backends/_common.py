@@ -80,6 +80,10 @@ class LeafKind:
         type_name: How the messages spell it (``"numpy.ndarray"``).
         module: The library's usual alias, for the cast hint (``"np"``).
         convert: How to turn a value into such an array.
+        exact: If given, the only types taken: a subclass of ``array_type`` not
+            listed is refused (its arithmetic, or a mask, would differ between
+            paths), with ``subclass_hint`` saying how to pass its data instead.
+        subclass_hint: What to pass instead of a refused subclass.
     """
 
     backend: str
@@ -87,6 +91,8 @@ class LeafKind:
     type_name: str
     module: str
     convert: str
+    exact: tuple[type, ...] = ()
+    subclass_hint: str = ""
 
     def check(self, path: str, leaf: object) -> None:
         """Raise if ``leaf`` is not an array of this library with an accepted dtype.
@@ -95,12 +101,18 @@ class LeafKind:
             GradientTypeError: ``leaf`` is of another type, or of an integer,
                 bool, complex or object dtype; the message names ``path``.
         """
+        kind = type(leaf)
         if not isinstance(leaf, self.array_type):
-            kind = type(leaf)
             raise GradientTypeError(
                 f"{path} is a {kind.__module__}.{kind.__qualname__}, but the {self.backend} "
                 f"backend needs {self.type_name} leaves of dtype {ACCEPTED}; convert it with "
                 f"{self.convert}"
+            )
+        if self.exact and kind not in self.exact:
+            raise GradientTypeError(
+                f"{path} is a {kind.__module__}.{kind.__qualname__}, a subclass of "
+                f"{self.type_name} that the {self.backend} backend does not take (its "
+                f"arithmetic or its mask would not be a plain array's); {self.subclass_hint}"
             )
         dtype = leaf.dtype  # type: ignore[attr-defined]
         if np.dtype(dtype) not in FLOAT_DTYPES:

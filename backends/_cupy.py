@@ -38,6 +38,7 @@ from scaler_core._errors import (
     GradientValueError,
     InvalidArgumentError,
 )
+from scaler_core._f32 import FLT_MIN
 from scaler_core._state import ScalerState, convert_fields, device_update
 from scaler_core._tree import leaves_with_paths, map_pairs
 
@@ -74,6 +75,7 @@ _NDARRAY = cupy.ndarray
 _TABLE_CACHE_SIZE = 64
 _PLAN_CACHE_SIZE = 16
 _NULL = np.uint64(0)
+_FLT_MIN, _NAN32 = np.float32(FLT_MIN), np.float32(np.nan)
 
 #: CuPy gradient leaves.
 LEAVES = LeafKind(
@@ -321,7 +323,11 @@ def _scale_arg(scale: Any) -> tuple[Any, np.float32]:
             )
         if scale.dtype != np.float32:
             scale = scale.astype(np.float32)
-        return scale, np.float32(1.0)
+        # Reading the value would synchronise with the host. Instead a scale that is not
+        # a positive, finite, normal float32 becomes NaN on the device: every gradient
+        # is then NaN and flagged, and the update records a collapse (fail closed).
+        valid = cupy.isfinite(scale) & (scale >= _FLT_MIN)
+        return cupy.where(valid, scale, _NAN32), np.float32(1.0)
     return _NULL, np.float32(inv_scale_of(scale))
 
 
@@ -482,9 +488,9 @@ class CupyBackend:
         """See :meth:`scaler_core.Backend.unscale`: in place, one launch per dtype.
 
         ``scale`` may be a host float (validated here) or a 0-d CuPy float
-        array such as a device state's ``scale``; a device scale is read by the
-        kernel, so it is not value-checked on the host (a device state's scale
-        is valid by construction).
+        array such as a device state's ``scale``. A device scale is read by the
+        kernel, never by the host: one that is not a positive, finite, normal
+        float32 makes every gradient NaN and sets the flag (fail closed).
         """
         arg = _scale_arg(scale)
         plan, leaves = _plan(grads)

@@ -27,6 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from scaler_core._errors import GradientTypeError, GradientValueError, InvalidArgumentError
+from scaler_core._f32 import FLT_MIN
 from scaler_core._state import (
     ScalerState,
     convert_fields,
@@ -115,13 +116,24 @@ def non_finite(
 
 
 def _scale_array(scale: Any, what: str = "scale") -> jax.Array:
-    """A device scale as a 0-d float32 array (not value-checked: it may be traced)."""
+    """A device scale as a 0-d float32 array, checked as far as it can be.
+
+    A concrete scale (outside ``jit``) is read and validated like a host one. A
+    traced one has no value yet: it becomes NaN unless it is a positive, finite,
+    normal float32, so a bad scale fails closed (the step is flagged, and the update
+    records a collapse) instead of flipping or zeroing every gradient.
+    """
     if scale.shape != () or not jnp.issubdtype(scale.dtype, jnp.floating):
         raise GradientValueError(
             f"{what} has shape {scale.shape} and dtype {scale.dtype}, but a device scale "
             f"must be a 0-d float array; pass state.scale"
         )
-    return scale.astype(jnp.float32)  # type: ignore[no-any-return]
+    s = scale.astype(jnp.float32)
+    if not _is_traced(s):
+        inv_scale_of(float(s))  # raises GradientValueError, naming the value
+        return s  # type: ignore[no-any-return]
+    valid = jnp.isfinite(s) & (s >= jnp.float32(FLT_MIN))
+    return jnp.where(valid, s, jnp.float32(jnp.nan))
 
 
 def _inv_scale(scale: Any) -> tuple[jax.Array, bool]:

@@ -21,6 +21,7 @@ rounding is NumPy's), and are checked with a bit test on their ``uint16`` view.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import math
 import operator
@@ -60,6 +61,11 @@ _CHUNK_BYTES = 1 << 20
 #: (2000 x 1024 float32) two threads took 0.28-0.34 ms against one thread's
 #: 0.37-0.63 ms, interleaved with PyTorch's OpenMP work, and no call stalled.
 _PARALLEL_MIN_BYTES = 4 << 20
+#: One parallel region at a time, whichever thread calls: numba's workqueue threading
+#: layer (used where neither TBB nor GNU OpenMP is installed, e.g. on many macOS setups)
+#: aborts the process when two threads launch parallel regions at once. Two regions
+#: at once would share the same cores anyway.
+_PARALLEL_LOCK = threading.Lock()
 #: Parallel detection walks the work items in batches of this many bytes and
 #: stops after the first batch with a hit, as the serial kernels stop at it.
 _DETECT_BATCH_BYTES = 64 << 20
@@ -138,9 +144,10 @@ class _Plan:
         "nbytes",
         "strided",
         "tables",
+        "watch",
     )
 
-    def __init__(self, leaves: list[np.ndarray], *, tables: bool = True) -> None:
+    def __init__(self, leaves: list[np.ndarray]) -> None:
         self.keep = leaves  # the tables hold raw addresses: keep the arrays alive
         # the container's children, when cached (a tuple as given, else a copy)
         self.children: list[Any] | tuple[Any, ...] = []
@@ -150,8 +157,7 @@ class _Plan:
         self.strided: list[np.ndarray] = []
         self.halves: list[np.ndarray] = []
         self.aliased = False
-        if not tables:
-            return
+        self.watch: _Watch | None = None  # set when the plan is cached
         blocks: dict[np.dtype[Any], list[tuple[int, int]]] = {}
         spans: list[tuple[int, int]] = []
         for a in leaves:
@@ -169,6 +175,70 @@ class _Plan:
         spans.sort()
         self.aliased = any(prev[1] > cur[0] for prev, cur in itertools.pairwise(spans))
         self.tables = {dtype: _Table(dtype, items) for dtype, items in blocks.items()}
+
+
+#: The flags a plan depends on: the two contiguity flags, alignment and writeability
+#: (NumPy's NPY_ARRAY_C_CONTIGUOUS, _F_CONTIGUOUS, _ALIGNED and _WRITEABLE).
+_FLAG_MASK = 0x1 | 0x2 | 0x100 | 0x400
+
+
+def _describe(a: np.ndarray) -> list[int]:
+    """What a plan assumes of ``a``: buffer, dtype object, flags, rank, shape, strides."""
+    start = _address(a)
+    return [start, id(a.dtype), a.flags.num & _FLAG_MASK, a.ndim, *a.shape, *a.strides]
+
+
+class _Watch:
+    """What a cached plan was built for, checked in compiled code at every call.
+
+    A cached set is recognised by the identity of its arrays, but an array can change
+    under the same identity: ``resize`` moves or shrinks its buffer, assigning
+    ``.dtype`` or ``.shape`` re-reads its bytes, ``flags.writeable`` can be cleared.
+    :func:`_numpy_kernels.first_changed` compares each array's header, read from
+    memory (a few words an array: microseconds for 2000), with what the plan saw; on
+    any difference the plan is dropped and the set is validated and planned again.
+    """
+
+    __slots__ = ("expected", "objs", "starts")
+
+    def __init__(self, leaves: list[np.ndarray]) -> None:
+        rows = [_describe(a) for a in leaves]
+        self.objs = np.array([id(a) for a in leaves], dtype=np.intp)
+        self.starts = np.cumsum([0] + [len(r) for r in rows[:-1]], dtype=np.intp)
+        self.expected = np.array([v for r in rows for v in r], dtype=np.int64)
+
+    def changed(self, kernels: ModuleType) -> bool:
+        return int(kernels.first_changed(self.objs, self.expected, self.starts, _FLAG_MASK)) >= 0
+
+
+def _watch_works(kernels: ModuleType) -> bool:
+    """Whether :class:`_Watch` reads this NumPy's array headers right (checked once).
+
+    The header layout is NumPy's C ABI; on a platform where it differs (or a future
+    NumPy), this says no and no plan is cached, which costs speed, never correctness.
+    """
+    try:
+        base = np.zeros((4, 6), np.float32)
+        samples: list[np.ndarray] = [
+            base,
+            np.asfortranarray(base),
+            base[:, ::2],
+            np.zeros((), np.float64),
+            np.zeros((0, 3), np.float16),
+            np.ones(5, ml_dtypes.bfloat16),
+        ]
+        watch = _Watch(samples)
+        if watch.changed(kernels):
+            return False
+        probes = [np.ones(8, np.float32) for _ in range(4)]
+        watches = [_Watch([probe]) for probe in probes]
+        probes[0].flags.writeable = False
+        setattr(probes[1], "dtype", np.int32)  # noqa: B010 (typed read-only, settable)
+        probes[2].shape = (2, 4)
+        probes[3].resize(16, refcheck=False)
+        return all(w.changed(kernels) for w in watches)
+    except Exception:  # any surprise: do not trust the layout
+        return False
 
 
 #: From NumPy 2.2 on, an array comparison that has no single truth value (more
@@ -259,6 +329,7 @@ class NumpyBackend(NumpyReferenceBackend):
         self._resolved = False
         self._lock = threading.Lock()
         self._plans: OrderedDict[tuple[bool, int, int, int], _Plan] = OrderedDict()
+        self._watch_ok: bool | None = None
 
     def _resolve(self) -> ModuleType | None:
         if not self._resolved:
@@ -298,15 +369,16 @@ class NumpyBackend(NumpyReferenceBackend):
 
     # -- plans ---------------------------------------------------------------
 
-    def _prepare(
-        self, grads: Any, *, writable: bool, tables: bool = True
-    ) -> _Plan | list[np.ndarray]:
-        """Validated leaves, or for a repeated set of many small arrays its cached plan.
+    def _prepare(self, grads: Any, *, writable: bool) -> _Plan | list[np.ndarray]:
+        """Validated leaves, or a plan of address tables (numba path only).
 
-        ``tables=False`` (the pure-NumPy path) caches the validated leaves only.
-        Raises before anything is modified, as :func:`numpy_leaves` does.
+        A flat list, tuple or dict of many small arrays seen before gets its cached
+        plan, once the same objects are confirmed (:func:`_same_children`) and each
+        array is confirmed unchanged since (:class:`_Watch`); otherwise the set is
+        validated as :func:`numpy_leaves` does, before anything is modified.
         """
-        children = _children(grads)
+        kernels = self._resolve()
+        children = _children(grads) if kernels is not None and self._watching() else None
         key = None
         if children is not None and len(children) >= _TABLE_MIN_LEAVES:
             # A cheap key finds the candidate; identity of every child confirms it
@@ -314,11 +386,17 @@ class NumpyBackend(NumpyReferenceBackend):
             key = (writable, len(children), id(children[0]), id(children[-1]))
             plan = self._plans.get(key)
             if plan is not None and _same_children(plan, children):
-                with self._lock:
-                    if key in self._plans:
-                        self._plans.move_to_end(key)
-                return plan
+                watch = plan.watch
+                if kernels is not None and watch is not None and not watch.changed(kernels):
+                    with self._lock:
+                        if key in self._plans:
+                            self._plans.move_to_end(key)
+                    return plan
+                with self._lock:  # an array changed under its identity: plan again
+                    self._plans.pop(key, None)
         leaves = [leaf for _, leaf in numpy_leaves(grads, writable=writable)]
+        if kernels is None:
+            return leaves
         nbytes = sum(a.nbytes for a in leaves)
         if (
             key is None
@@ -327,14 +405,15 @@ class NumpyBackend(NumpyReferenceBackend):
             or not all(c is None or isinstance(c, np.ndarray) for c in children)
             or nbytes > _CACHE_MAX_BYTES
         ):
-            if tables and nbytes >= _PARALLEL_MIN_BYTES:
+            if nbytes >= _PARALLEL_MIN_BYTES:
                 return _Plan(leaves)  # one parallel region for the whole set
             return leaves
-        plan = _Plan(leaves, tables=tables)
+        plan = _Plan(leaves)
         plan.children = children if type(children) is tuple else list(children)
         plan.comparable = _EQ_RAISES and all(
             c is None or (type(c) is np.ndarray and c.size >= _EQ_MIN_SIZE) for c in children
         )
+        plan.watch = _Watch(leaves)
         with self._lock:
             self._plans[key] = plan
             total = sum(p.nbytes for p in self._plans.values())
@@ -343,6 +422,13 @@ class NumpyBackend(NumpyReferenceBackend):
                 total -= dropped.nbytes
         return plan
 
+    def _watching(self) -> bool:
+        """Whether cached plans can be checked here (see :func:`_watch_works`)."""
+        if self._watch_ok is None:
+            kernels = self._resolve()
+            self._watch_ok = kernels is not None and _watch_works(kernels)
+        return self._watch_ok
+
     # -- the backend ---------------------------------------------------------
 
     def unscale(self, grads: Any, scale: Any) -> tuple[Any, np.bool_]:
@@ -350,7 +436,7 @@ class NumpyBackend(NumpyReferenceBackend):
         inv = inv_scale_of(scale)
         kernels = self._resolve()
         if kernels is None:
-            leaves = _leaves(self._prepare(grads, writable=True, tables=False))
+            leaves = _leaves(self._prepare(grads, writable=True))
             with np.errstate(all="ignore"):
                 return grads, np.bool_(_numpy_unscale(leaves, inv))
         prepared = self._prepare(grads, writable=True)
@@ -367,26 +453,61 @@ class NumpyBackend(NumpyReferenceBackend):
         """See :meth:`scaler_core.Backend.find_non_finite`: reads each element once."""
         kernels = self._resolve()
         if kernels is None:
-            leaves = _leaves(self._prepare(grads, writable=False, tables=False))
+            leaves = _leaves(self._prepare(grads, writable=False))
             with np.errstate(all="ignore"):
                 return np.bool_(_numpy_detect(leaves))
         prepared = self._prepare(grads, writable=False)
-        if isinstance(prepared, list):
-            return np.bool_(_numba_detect_arrays(kernels, prepared))
-        return np.bool_(_numba_detect(kernels, prepared))
+        with np.errstate(invalid="ignore"):  # a signalling NaN is an answer, not a warning
+            if isinstance(prepared, list):
+                return np.bool_(_numba_detect_arrays(kernels, prepared))
+            return np.bool_(_numba_detect(kernels, prepared))
 
 
 # -- the numba path -----------------------------------------------------------
 
+#: The process whose numba threads have started (None: not yet). A child forked after
+#: that inherits a thread pool that is not there: GNU OpenMP kills it at its first
+#: parallel region ("fork() called from a process already using GNU OpenMP"). So a
+#: forked child (multiprocessing's default start on Linux, data loaders) runs the
+#: one-thread kernels: the same results, on one core.
+_THREADS_PID: list[int | None] = [None]
+
+
+#: A float32 subnormal: multiplied by 1 in the calling thread it stays itself, unless
+#: the thread flushes subnormals (FTZ/DAZ, e.g. after torch.set_flush_denormal(True)).
+_SUBNORMAL, _ONE = np.float32(1e-40), np.float32(1.0)
+
+
+def _flushes_subnormals() -> bool:
+    """Whether the calling thread's floating-point mode flushes subnormals to zero."""
+    return bool(_SUBNORMAL * _ONE == 0)
+
+
+def _use_threads(nbytes: int) -> bool:
+    """Whether a set of ``nbytes`` runs on all threads, here, in this process.
+
+    Not when the calling thread flushes subnormals: numba's threads keep the mode
+    they started with, while NumPy (the reference) computes in the caller's mode. On
+    the calling thread the kernels give the reference's results in every mode.
+    """
+    if nbytes < _PARALLEL_MIN_BYTES or _flushes_subnormals():
+        return False
+    pid = os.getpid()
+    if _THREADS_PID[0] is None:
+        _THREADS_PID[0] = pid
+    return _THREADS_PID[0] == pid
+
 
 def _numba_unscale(k: ModuleType, plan: _Plan, inv: float) -> bool:
     found = False
-    parallel = plan.nbytes >= _PARALLEL_MIN_BYTES
+    parallel = _use_threads(plan.nbytes)
     for dtype, table in plan.tables.items():
         if dtype in _EXPONENT:
             continue
-        run = k.unscale_parallel if parallel and table.addrs.size > 1 else k.unscale
-        acc = run(table.addrs, table.sizes, dtype.type(inv), table.like)
+        threads = parallel and table.addrs.size > 1
+        run = k.unscale_parallel if threads else k.unscale
+        with _PARALLEL_LOCK if threads else contextlib.nullcontext():
+            acc = run(table.addrs, table.sizes, dtype.type(inv), table.like)
         found = found or math.isnan(acc)
     for flat in plan.halves:
         found = _half_unscale(flat, inv, k) or found
@@ -396,7 +517,7 @@ def _numba_unscale(k: ModuleType, plan: _Plan, inv: float) -> bool:
 
 
 def _numba_detect(k: ModuleType, plan: _Plan) -> bool:
-    parallel = plan.nbytes >= _PARALLEL_MIN_BYTES
+    parallel = _use_threads(plan.nbytes)
     for dtype, table in plan.tables.items():
         n = table.addrs.size
         step = max(1, _DETECT_BATCH_BYTES // _CHUNK_BYTES) if parallel else max(1, n)
@@ -413,9 +534,11 @@ def _detect_items(
     addrs, sizes = table.addrs[part], table.sizes[part]
     if dtype in _EXPONENT:
         run = k.detect_bits_parallel if parallel else k.detect_bits
-        return bool(run(addrs, sizes, table.masks[part]))
+        with _PARALLEL_LOCK if parallel else contextlib.nullcontext():
+            return bool(run(addrs, sizes, table.masks[part]))
     run = k.detect_parallel if parallel else k.detect
-    return math.isnan(run(addrs, sizes, table.like))
+    with _PARALLEL_LOCK if parallel else contextlib.nullcontext():
+        return math.isnan(run(addrs, sizes, table.like))
 
 
 def _numba_unscale_arrays(k: ModuleType, leaves: list[np.ndarray], inv: float) -> bool:

@@ -30,12 +30,14 @@ from numba import njit, prange, types
 from numba.extending import intrinsic
 
 __all__ = [
+    "HEADER_WORDS",
     "detect",
     "detect_array",
     "detect_bits",
     "detect_bits_parallel",
     "detect_parallel",
     "exponent_all_ones",
+    "first_changed",
     "unscale",
     "unscale_array",
     "unscale_parallel",
@@ -163,3 +165,44 @@ def detect_array(a: Any) -> Any:
         y = a[i]
         acc += y - y
     return acc
+
+
+# -- what a cached plan was built for: is every array still that? --------------------
+
+#: The machine words of a ``PyArrayObject`` read by :func:`first_changed`: CPython's
+#: object header (reference count, type), then NumPy's ``data``, ``nd``,
+#: ``dimensions``, ``strides``, ``base``, ``descr`` and ``flags`` fields, in this order
+#: in every NumPy since 1.7. The NumPy backend checks this layout on its own arrays
+#: before trusting it (and caches no plan if it does not hold).
+HEADER_WORDS = 9
+_H_DATA, _H_ND, _H_DIMS, _H_STRIDES, _H_DESCR, _H_FLAGS = 2, 3, 4, 5, 7, 8
+_LOW32 = 0xFFFFFFFF
+
+
+@njit(cache=True, nogil=True)
+def first_changed(objs: Any, expected: Any, starts: Any, flag_mask: Any) -> Any:
+    """The index of the first array whose buffer, dtype, flags, shape or strides differ
+    from ``expected``, or -1 if none does.
+
+    ``objs[i]`` is the address of a live ``numpy.ndarray`` (its ``id``); from
+    ``starts[i]`` on, ``expected`` holds its data address, dtype object address,
+    flags (masked by ``flag_mask``), number of dimensions, then the shape and the
+    strides. Reads a few words per array, so a set of 2000 arrays costs microseconds.
+    """
+    for i in range(objs.size):
+        head = numba.carray(_voidptr(objs[i]), (HEADER_WORDS,), np.int64)
+        j = starts[i]
+        if head[_H_DATA] != expected[j] or head[_H_DESCR] != expected[j + 1]:
+            return i
+        if (head[_H_FLAGS] & _LOW32 & flag_mask) != expected[j + 2]:
+            return i
+        nd = head[_H_ND] & _LOW32
+        if nd != expected[j + 3]:
+            return i
+        if nd:
+            dims = numba.carray(_voidptr(head[_H_DIMS]), (nd,), np.int64)
+            strides = numba.carray(_voidptr(head[_H_STRIDES]), (nd,), np.int64)
+            for k in range(nd):
+                if dims[k] != expected[j + 4 + k] or strides[k] != expected[j + 4 + nd + k]:
+                    return i
+    return -1

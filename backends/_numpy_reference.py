@@ -19,8 +19,17 @@ from ._common import HALF_DTYPES, LeafKind, check_select_pair, flag_error, host_
 
 __all__ = ["BACKEND", "LEAVES", "NumpyReferenceBackend", "numpy_leaves"]
 
-#: NumPy gradient leaves.
-LEAVES = LeafKind("numpy", np.ndarray, "numpy.ndarray", "np", "np.asarray(x)")
+#: NumPy gradient leaves: plain arrays (and memory maps, plain buffers on a file).
+LEAVES = LeafKind(
+    "numpy",
+    np.ndarray,
+    "numpy.ndarray",
+    "np",
+    "np.asarray(x)",
+    exact=(np.ndarray, np.memmap),
+    subclass_hint="pass a plain view of its data, np.asarray(x) (np.ma.getdata(x) for a "
+    "masked array: its masked elements are then checked too)",
+)
 
 
 def numpy_leaves(grads: Any, *, writable: bool) -> list[tuple[str, np.ndarray]]:
@@ -75,7 +84,10 @@ class NumpyReferenceBackend:
     def find_non_finite(self, grads: Any) -> np.bool_:
         """See :meth:`scaler_core.Backend.find_non_finite`."""
         leaves = numpy_leaves(grads, writable=False)
-        return np.bool_(not all(_all_finite(g) for _, g in leaves))
+        # A signalling NaN raises NumPy's 'invalid' warning in isfinite; it is what the
+        # flag reports, not a warning.
+        with np.errstate(invalid="ignore"):
+            return np.bool_(not all(_all_finite(g) for _, g in leaves))
 
     def scale_loss(self, loss: Any, scale: Any) -> Any:
         """See :meth:`scaler_core.Backend.scale_loss`."""

@@ -152,7 +152,7 @@ stage bench-2000x1024 60 - "$PY" -P benchmarks/bench_gpu.py --sets 2000x1024 --n
     --json "$OUT/bench_gpu-2000x1024.json" || OK=0
 
 # ------------------------------------------------------------------ JAX tests
-mapfile -t jax_tests < <(ls tests/*/test_jax*.py 2>/dev/null)
+mapfile -t jax_tests < <(ls tests/*/test_jax*.py tests/integrations/test_optax.py 2>/dev/null)
 if ((${#jax_tests[@]})); then
     stage pytest-jax 200 "$OUT/pytest-jax.log" "${PYTEST[@]}" --junitxml="$OUT/pytest-jax.xml" \
         "${jax_tests[@]}" || OK=0

@@ -55,8 +55,11 @@ def update(state: ScalerState, found_non_finite: Any) -> ScalerState:
     flag = host_flag(found_non_finite)
     if flag is not None and require_state(state).on_host:
         return host_update(state, flag)
-    owner = found_non_finite if flag is None else state.scale
-    return backend_for(owner).update(state, found_non_finite)
+    if flag is None:
+        backend = backend_for(found_non_finite, root="found_non_finite")
+    else:
+        backend = backend_for(state.scale, root="state.scale")
+    return backend.update(state, found_non_finite)
 
 
 def unscale(

@@ -272,10 +272,11 @@ def _dispatch_leaves(tree: Any, root: str) -> Iterable[tuple[str, Any]]:
             yield from ((path, x) for x in inner)
 
 
-def backend_for(*trees: Any, default: str = "numpy") -> Backend:
+def backend_for(*trees: Any, default: str = "numpy", root: str = "grads") -> Backend:
     """The backend that owns every leaf of ``trees``.
 
-    Trees with no leaves at all get ``default``.
+    Trees with no leaves at all get ``default``. ``root`` names a single tree in
+    the messages (``"loss"`` for a loss); several trees are ``trees[i]``.
 
     Raises:
         GradientTypeError: A leaf belongs to no registered backend, or leaves
@@ -284,7 +285,7 @@ def backend_for(*trees: Any, default: str = "numpy") -> Backend:
     found: str | None = None
     first_path = ""
     for i, tree in enumerate(trees):
-        root = "grads" if len(trees) == 1 else f"trees[{i}]"
+        root = root if len(trees) == 1 else f"trees[{i}]"
         for path, leaf in _dispatch_leaves(tree, root):
             name = _backend_name_of(leaf)
             if name is None:

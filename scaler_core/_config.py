@@ -53,10 +53,21 @@ def _int(name: str, value: object, low: int, must: str) -> int:
 
 def _scale(name: str, value: object) -> float:
     must = f"a finite float32 normal number in [{FLT_MIN!r}, {FLT_MAX!r}]"
-    out = f32(_real(name, value, must))
+    exact = _real(name, value, must)
+    out = f32(exact)
     if not FLT_MIN <= out <= FLT_MAX:
         raise _fail(name, value, must)
+    if out != exact:
+        # One rule for every number the float32 state holds (scales and factors):
+        # exactly a float32, never silently rounded.
+        raise _fail(name, value, f"exactly representable in float32; use {out!r}")
     return out
+
+
+def _choice(name: str, value: object, choices: tuple[str, ...], must: str) -> str:
+    if not isinstance(value, str) or value not in choices:
+        raise _fail(name, value, must)
+    return value
 
 
 def _factor(name: str, value: object, low: float, high: float, interval: str) -> float:
@@ -168,27 +179,25 @@ class ScalerConfig:
             put(self, "max_scale", _scale("max_scale", self.max_scale))
             if self.max_scale < self.init_scale:
                 raise _fail("max_scale", self.max_scale, f">= init_scale={self.init_scale!r}")
-        if self.at_min_scale not in _AT_MIN_SCALE:
-            raise _fail("at_min_scale", self.at_min_scale, "'hold' or 'raise'")
+        _choice("at_min_scale", self.at_min_scale, _AT_MIN_SCALE, "'hold' or 'raise'")
         if self.at_min_scale == "raise" and self.min_scale is None:
             raise _fail(
                 "at_min_scale",
                 self.at_min_scale,
                 "'hold' unless min_scale is set (there is no floor)",
             )
-        if self.at_max_scale not in _AT_MAX_SCALE:
-            raise _fail("at_max_scale", self.at_max_scale, "'block' or 'clamp'")
+        _choice("at_max_scale", self.at_max_scale, _AT_MAX_SCALE, "'block' or 'clamp'")
         put(
             self,
             "hysteresis",
             _int("hysteresis", self.hysteresis, 1, f"an int in [1, {INT32_MAX}]"),
         )
-        if self.hysteresis_refill not in _HYSTERESIS_REFILL:
-            raise _fail(
-                "hysteresis_refill",
-                self.hysteresis_refill,
-                "'on_growth', 'on_clean_step' or 'on_clean_step_or_backoff'",
-            )
+        _choice(
+            "hysteresis_refill",
+            self.hysteresis_refill,
+            _HYSTERESIS_REFILL,
+            "'on_growth', 'on_clean_step' or 'on_clean_step_or_backoff'",
+        )
         if self.max_consecutive_skips is not None:
             put(
                 self,

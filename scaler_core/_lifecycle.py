@@ -56,6 +56,7 @@ class Call(enum.Enum):
     UPDATE = "update()"
     STATE_DICT = "state_dict()"
     LOAD_STATE_DICT = "load_state_dict()"
+    ABANDON_STEP = "abandon_step()"
 
 
 _NO_CHECKS = (
@@ -64,11 +65,13 @@ _NO_CHECKS = (
 )
 _AGAIN = (
     "unscale() has already been called on group {group!r} since the last update(); unscale "
-    "each group once per step, after all of its gradients are accumulated"
+    "each group once per step, after all of its gradients are accumulated (abandon_step() "
+    "drops this step's checks, to start it over)"
 )
 _LATE = (
     "{call} was called after the skip decision of this step was taken (should_skip_step() "
-    "or step()); check every group first, then decide"
+    "or step()); check every group first, then decide (abandon_step() drops this step's "
+    "checks, to start it over)"
 )
 _STEP_TWICE = (
     "step() has already been called since the last update(); call update() to end the step "
@@ -76,7 +79,7 @@ _STEP_TWICE = (
 )
 _MID_STEP = (
     "{call} was called in the middle of a step (gradients were checked but update() was not "
-    "called); call it after update()"
+    "called); call it after update(), or after abandon_step() if update() was refused"
 )
 
 _P = StepPhase
@@ -93,6 +96,7 @@ TRANSITIONS: Mapping[StepPhase, Mapping[Call, StepPhase | str]] = MappingProxyTy
             Call.UPDATE: _NO_CHECKS,
             Call.STATE_DICT: _P.READY,
             Call.LOAD_STATE_DICT: _P.READY,
+            Call.ABANDON_STEP: _P.READY,
         },
         _P.CHECKING: {
             Call.SCALE_LOSS: _P.CHECKING,
@@ -104,6 +108,7 @@ TRANSITIONS: Mapping[StepPhase, Mapping[Call, StepPhase | str]] = MappingProxyTy
             Call.UPDATE: _P.READY,
             Call.STATE_DICT: _MID_STEP,
             Call.LOAD_STATE_DICT: _MID_STEP,
+            Call.ABANDON_STEP: _P.READY,
         },
         _P.DECIDED: {
             Call.SCALE_LOSS: _P.DECIDED,
@@ -115,6 +120,7 @@ TRANSITIONS: Mapping[StepPhase, Mapping[Call, StepPhase | str]] = MappingProxyTy
             Call.UPDATE: _P.READY,
             Call.STATE_DICT: _MID_STEP,
             Call.LOAD_STATE_DICT: _MID_STEP,
+            Call.ABANDON_STEP: _P.READY,
         },
         _P.STEPPED: {
             Call.SCALE_LOSS: _P.STEPPED,
@@ -126,6 +132,7 @@ TRANSITIONS: Mapping[StepPhase, Mapping[Call, StepPhase | str]] = MappingProxyTy
             Call.UPDATE: _P.READY,
             Call.STATE_DICT: _MID_STEP,
             Call.LOAD_STATE_DICT: _MID_STEP,
+            Call.ABANDON_STEP: _P.READY,
         },
     }
 )
@@ -235,7 +242,7 @@ class GradScaler:
     def scale_loss(self, loss: T) -> T:
         """``loss * scale``: backpropagate this instead of ``loss``."""
         self._next(Call.SCALE_LOSS)
-        return self._backend_for(loss).scale_loss(loss, self._state.scale)  # type: ignore[no-any-return]
+        return self._backend_for(loss, "loss").scale_loss(loss, self._state.scale)  # type: ignore[no-any-return]
 
     def unscale(self, grads: T, group: Hashable = DEFAULT_GROUP) -> T:
         """Unscale one group's gradients (in place where the library allows).
@@ -303,13 +310,29 @@ class GradScaler:
         self._phase = phase
         return None if skip else optimizer_step(*args, **kwargs)
 
+    def abandon_step(self) -> None:
+        """Drop this step's checks and decision, keeping the state: the way out of a refusal.
+
+        After :meth:`update` refused a step (``ScaleCollapseError``,
+        ``SkipLimitError``), the step's flags are kept, so ``update()`` refuses again;
+        abandon the step, then resume from a checkpoint (:meth:`load_state_dict`),
+        fix the cause, or start the next step. Allowed in every phase; nothing else
+        changes (the scale and the counters are those before the step).
+        """
+        phase = self._next(Call.ABANDON_STEP)
+        self._reduced = None
+        self._flags.clear()
+        self._unscaled.clear()
+        self._phase = phase
+
     def update(self) -> ScalerState:
         """End the step: advance the state with the OR of this step's flags.
 
         Raises:
             LifecycleError: No gradients were checked in this step.
             ScaleCollapseError: The step was refused (fail-closed); the scaler
-                keeps its previous state and this step's flags.
+                keeps its previous state and this step's flags (see
+                :meth:`abandon_step`).
         """
         phase = self._next(Call.UPDATE)
         new = self._policy(self._state, self._step_found())
@@ -349,11 +372,11 @@ class GradScaler:
         return f"GradScaler(state={self._state!r})"
 
     # ---------------------------------------------------------------- internal
-    def _backend_for(self, values: Any) -> Backend:
+    def _backend_for(self, values: Any, what: str = "grads") -> Backend:
         if self._backend is None:
             if values is None:
                 return get_backend("numpy")
-            self._backend = backend_for(values)
+            self._backend = backend_for(values, root=what)
         return self._backend
 
     def _next(self, call: Call, group: Hashable = DEFAULT_GROUP) -> StepPhase:

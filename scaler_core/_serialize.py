@@ -91,11 +91,14 @@ def _scale_field(where: str, value: object, config: ScalerConfig) -> float:
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise _bad(where, value, must)
     try:
-        scale = f32(float(value))
+        exact = float(value)
+        scale = f32(exact)
     except (OverflowError, ValueError):
         raise _bad(where, value, must) from None
     if not is_normal_f32(scale):
         raise _bad(where, value, must)
+    if scale != exact:  # as the config refuses it: exactly a float32, never rounded
+        raise _bad(where, value, f"exactly representable in float32; use {scale!r}")
     if (low is not None and scale < low) or (high is not None and scale > high):
         raise _bad(where, value, must)
     return scale
@@ -123,9 +126,9 @@ def from_dict(data: Mapping[str, Any]) -> ScalerState:
     """
     data = _mapping("checkpoint", data)
     _exact_keys("checkpoint", data, ("schema", "version", "config", "state"))
-    if data["schema"] != SCHEMA:
+    if type(data["schema"]) is not str or data["schema"] != SCHEMA:
         raise _bad("checkpoint['schema']", data["schema"], repr(SCHEMA))
-    if data["version"] != SCHEMA_VERSION or isinstance(data["version"], bool):
+    if type(data["version"]) is not int or data["version"] != SCHEMA_VERSION:
         raise _bad(
             "checkpoint['version']",
             data["version"],
@@ -174,6 +177,15 @@ def to_torch_state_dict(state: ScalerState) -> dict[str, Any]:
     }
 
 
+def _torch_field(base: ScalerConfig, field: str, key: str, value: Any) -> None:
+    """Check one key of a PyTorch state dict as the config field it becomes, by its key."""
+    try:
+        dataclasses.replace(base, **{field: value})  # validated as the constructor does
+    except InvalidConfigError as exc:
+        must = str(exc).split(", but it must be ", 1)[-1]
+        raise _bad(f"state_dict[{key!r}]", value, must) from exc
+
+
 def from_torch_state_dict(
     data: Mapping[str, Any], config: ScalerConfig | None = None
 ) -> ScalerState:
@@ -191,15 +203,17 @@ def from_torch_state_dict(
     base = ScalerConfig() if config is None else config
     if not isinstance(base, ScalerConfig):
         raise _bad("config", base, "a ScalerConfig or None")
+    values = {
+        "init_scale": data["scale"],
+        "growth_factor": data["growth_factor"],
+        "backoff_factor": data["backoff_factor"],
+        "growth_interval": data["growth_interval"],
+    }
+    for field, key in zip(values, _TORCH_KEYS, strict=False):  # each key named as saved
+        _torch_field(base, field, key, values[field])
     try:
-        cfg = dataclasses.replace(
-            base,
-            init_scale=data["scale"],
-            growth_factor=data["growth_factor"],
-            backoff_factor=data["backoff_factor"],
-            growth_interval=data["growth_interval"],
-        )
-    except InvalidConfigError as exc:
+        cfg = dataclasses.replace(base, **values)
+    except InvalidConfigError as exc:  # the keys are fine alone, not together
         raise InvalidStateError(f"state_dict: {exc}") from exc
     growth = _int_field(
         "state_dict['_growth_tracker']", data["_growth_tracker"], 0, cfg.growth_interval - 1

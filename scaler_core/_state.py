@@ -78,6 +78,7 @@ __all__ = [
     "host_flag",
     "host_update",
     "init",
+    "register_flax_serialization",
     "register_pytree",
     "require_state",
     "start_state",
@@ -189,6 +190,11 @@ class ScalerState:
                 register_pytree()
             except ImportError:  # a stub or broken "jax" module: nothing to register with
                 _PYTREE[0] = True
+        if not _FLAX[0] and "flax.serialization" in sys.modules:
+            try:
+                register_flax_serialization()
+            except ImportError:  # a broken flax: nothing to register with
+                _FLAX[0] = True
 
     @property
     def on_host(self) -> bool:
@@ -253,6 +259,50 @@ def register_pytree() -> None:
             if "egistration" not in str(exc):
                 raise
         _PYTREE[0] = True
+
+
+_FLAX = [False]
+
+
+def register_flax_serialization() -> None:
+    """Register :class:`ScalerState` with ``flax.serialization`` (idempotent; imports flax).
+
+    Then ``flax.serialization.to_bytes`` / ``from_bytes`` (and flax checkpoints) save
+    a state's data fields and restore them into a target state, which brings the
+    config (static, as under ``jit``). Called by every state construction once flax
+    is imported, so a user rarely needs to call it.
+    """
+    if _FLAX[0]:
+        return
+    with _PYTREE_LOCK:
+        if _FLAX[0]:
+            return
+        from flax import serialization  # noqa: PLC0415 - flax is optional; imported only here
+
+        def to_state(state: ScalerState) -> dict[str, Any]:
+            return {n: serialization.to_state_dict(getattr(state, n)) for n in DATA_FIELDS}
+
+        def from_state(target: ScalerState, data: dict[str, Any]) -> ScalerState:
+            missing = [n for n in DATA_FIELDS if n not in data]
+            if missing:
+                raise InvalidStateError(
+                    f"flax state dict {sorted(data)!r} lacks the ScalerState fields "
+                    f"{missing!r}; restore a state saved from a ScalerState"
+                )
+            values = {
+                n: serialization.from_state_dict(getattr(target, n), data[n], name=n)
+                for n in DATA_FIELDS
+            }
+            return ScalerState(target.config, **values)
+
+        try:
+            serialization.register_serialization_state(  # type: ignore[no-untyped-call, unused-ignore]
+                ScalerState, to_state, from_state
+            )
+        except ValueError as exc:  # already registered (a reloaded module)
+            if "already registered" not in str(exc):
+                raise
+        _FLAX[0] = True
 
 
 def _make(config: ScalerConfig, values: list[Any]) -> ScalerState:
@@ -411,7 +461,7 @@ def host_update(state: ScalerState, found_non_finite: bool) -> ScalerState:
     elif kind is StepKind.HOLD_AT_FLOOR:
         growth = 0
     refill = cfg.hysteresis_refill
-    if refill != "on_growth" and not found_non_finite:
+    if cfg.dynamic and refill != "on_growth" and not found_non_finite:
         hyst = cfg.hysteresis
     if refill == "on_clean_step_or_backoff" and kind in (
         StepKind.BACKOFF,
@@ -484,7 +534,7 @@ def device_update(xp: Any, state: ScalerState, found_non_finite: Any) -> ScalerS
             can_grow = xp.asarray(True)
         absorbed = found & (hyst > one)
         backing_off = found & ~absorbed
-        backed = scale * f32_(cfg.backoff_factor)
+        backed = _backoff_product(xp, scale, f32_(cfg.backoff_factor))
         if cfg.min_scale is not None:
             floor = f32_(cfg.min_scale)
             backed = xp.maximum(backed, floor)
@@ -515,6 +565,27 @@ def device_update(xp: Any, state: ScalerState, found_non_finite: Any) -> ScalerS
     new = [new_scale, new_growth, new_hyst, new_steps, new_skipped, new_consec]
     out = [xp.where(keep, o, n).astype(o.dtype) for o, n in zip(old[:-1], new, strict=True)]
     return _make(cfg, [*out, fail])
+
+
+#: The float32 just below 2**-102: a product ``p`` with ``p * 2**24`` at least this
+#: rounds (ties to even) to FLT_MIN, not to a subnormal.
+_BELOW_2_102 = (2.0**24 - 1) * 2.0**-126
+
+
+def _backoff_product(xp: Any, scale: Any, factor: Any) -> Any:
+    """``f32(scale * factor)`` as IEEE rounds it, also where the device flushes subnormals.
+
+    XLA (CPU and GPU) flushes a subnormal float32 result to 0, which would turn a
+    product that IEEE rounds *up* to FLT_MIN (``FLT_MIN * (1 - 2**-24)`` is such a
+    tie) into a recorded collapse the host does not see. The same product taken
+    ``2**24`` higher is normal, and rounding is monotonic, so comparing it with the
+    float32 just below ``2**-102`` says whether IEEE gives FLT_MIN.
+    """
+    f32_ = xp.float32
+    backed = scale * factor
+    high = (scale * f32_(2.0**24)) * factor
+    rounds_to_min = (backed < f32_(FLT_MIN)) & (high >= f32_(_BELOW_2_102))
+    return xp.where(rounds_to_min, f32_(FLT_MIN), backed)
 
 
 def _failure_error(failure: Failure, state: ScalerState, *, recorded: bool) -> ScaleCollapseError:
@@ -575,6 +646,9 @@ def host_flag(found: object, what: str = "found_non_finite") -> bool | None:
         if str(getattr(found, "dtype", "")) == "bool" and getattr(found, "shape", None) == ():
             return bool(found)
         raise flag_error(what, repr(found))
-    if isinstance(found, (int, float, complex, str, bytes)) or found is None:
-        raise flag_error(what, repr(found))
+    if (
+        isinstance(found, (int, float, complex, str, bytes, list, tuple, dict, set))
+        or found is None
+    ):
+        raise flag_error(what, repr(found))  # a container of flags is not a flag either
     return None

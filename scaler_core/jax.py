@@ -37,10 +37,16 @@ import jax
 import jax.numpy as jnp
 
 from ._errors import InvalidArgumentError
-from ._state import register_pytree
+from ._state import register_flax_serialization, register_pytree
 from .backends._jax import BACKEND, to_device
 
-__all__ = ["found_reducer", "reduce_found", "register_pytree", "to_device"]
+__all__ = [
+    "found_reducer",
+    "reduce_found",
+    "register_flax_serialization",
+    "register_pytree",
+    "to_device",
+]
 
 
 def reduce_found(found: Any, axis_name: Any) -> jax.Array:

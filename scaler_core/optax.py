@@ -29,6 +29,7 @@ A skipped step must be a step that did not happen.
 
 from __future__ import annotations
 
+import sys
 from typing import Any, NamedTuple
 
 import jax
@@ -36,6 +37,7 @@ import jax.numpy as jnp
 import optax
 
 from ._config import ScalerConfig
+from ._errors import InvalidArgumentError
 from ._state import ScalerState, start_state
 from .backends._jax import BACKEND, to_device
 from .jax import reduce_found
@@ -58,8 +60,39 @@ class LossScaledState(NamedTuple):
 
 
 def loss_scale(state: LossScaledState) -> jax.Array:
-    """The scale to multiply the loss by this step (a 0-d float32 array)."""
-    return state.scaler.scale  # type: ignore[no-any-return]
+    """The scale to multiply the loss by this step (a 0-d float32 array).
+
+    ``state`` is the optimizer state of :func:`loss_scaled`, as optax returns it or
+    as flax NNX's ``nnx.Optimizer`` holds it (its leaves wrapped in NNX variables).
+
+    Raises:
+        InvalidArgumentError: ``state`` is not a :class:`LossScaledState`.
+    """
+    scaler = getattr(state, "scaler", None)
+    if not isinstance(state, LossScaledState) or not isinstance(scaler, ScalerState):
+        raise InvalidArgumentError(
+            f"state={type(state).__qualname__}, but it must be the LossScaledState that "
+            f"loss_scaled(...).init returns (or an nnx.Optimizer's opt_state holding one)"
+        )
+    scale = scaler.scale
+    if type(scale).__module__.startswith("flax"):  # an NNX variable around the array
+        get_value = getattr(scale, "get_value", None)  # flax >= 0.12; .value before
+        scale = get_value() if callable(get_value) else scale.value
+    return scale  # type: ignore[no-any-return]
+
+
+def _inside_multisteps() -> bool:
+    """Whether ``init`` is being called by ``optax.MultiSteps`` (its ``init`` calls ours)."""
+    frame = sys._getframe(2) if hasattr(sys, "_getframe") else None
+    for _ in range(4):  # MultiSteps.init -> (extra-args shim) -> init_fn
+        if frame is None:
+            return False
+        owner = frame.f_locals.get("self")
+        kind = type(owner)
+        if kind.__name__ == "MultiSteps" and kind.__module__.partition(".")[0] == "optax":
+            return True
+        frame = frame.f_back
+    return False
 
 
 def loss_scaled(
@@ -93,11 +126,23 @@ def loss_scaled(
     Raises:
         InvalidStateError: Both ``config`` and ``state`` are given and differ,
             or ``state`` is not a :class:`~scaler_core.ScalerState`.
+        InvalidArgumentError: (at ``init``) the wrapper sits inside
+            ``optax.MultiSteps``, which would accumulate unchecked scaled
+            gradients; ``loss_scaled(optax.MultiSteps(...))`` is the order that
+            works.
     """
     start = start_state(config, state)
     inner = optax.with_extra_args_support(inner)
 
     def init_fn(params: Any) -> LossScaledState:
+        if _inside_multisteps():
+            raise InvalidArgumentError(
+                "optax.MultiSteps(loss_scaled(...)) accumulates the scaled gradients before "
+                "they are checked, and one overflow poisons every later window (MultiSteps' "
+                "reset multiplies inf by 0): every step is then skipped and the scale "
+                "driven down. Put the accumulation inside: loss_scaled(optax.MultiSteps("
+                "inner, every_k_schedule=k)) checks each micro-batch before it is added"
+            )
         return LossScaledState(inner.init(params), to_device(start), jnp.asarray(False))
 
     def update_fn(

@@ -35,6 +35,7 @@ import io
 import json
 import math
 import statistics
+import textwrap
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from importlib import resources
 from pathlib import Path
@@ -42,7 +43,7 @@ from typing import Any
 
 from ._api import update
 from ._config import ScalerConfig
-from ._errors import InvalidArgumentError, ScaleCollapseError, TraceError
+from ._errors import InvalidArgumentError, InvalidConfigError, ScaleCollapseError, TraceError
 from ._f32 import FLT_MAX, FLT_MIN
 from ._presets import preset
 from ._state import ScalerState, init
@@ -88,11 +89,17 @@ class Trace:
         found: Per-step found-non-finite flags (the policy cannot change them).
         max_abs_grad: Per-step largest absolute unscaled gradient value; NaN
             or inf for a step whose gradients are non-finite at every scale.
+        recorded_with: For ``found`` flags, the config whose scales they were
+            recorded at, when known: a policy replaying them at other scales
+            did not meet these overflows, and the report says so.
+        source: Where the trace came from (free text, shown in reports).
     """
 
     name: str = "trace"
     found: tuple[bool, ...] | None = None
     max_abs_grad: tuple[float, ...] | None = None
+    recorded_with: ScalerConfig | None = None
+    source: str = ""
 
     def __post_init__(self) -> None:
         if (self.found is None) == (self.max_abs_grad is None):
@@ -140,6 +147,9 @@ class PolicyResult:
         collapse_step: The step it collapsed at, or ``None``.
         final_scale: The scale after the last step replayed.
         scales: The scale used at each step replayed.
+        matches_recording: For a ``found`` trace with ``recorded_with``, whether
+            this policy replayed the flags at the scales they were recorded at
+            (only then are they the overflows it would have met); else ``None``.
     """
 
     name: str
@@ -152,6 +162,7 @@ class PolicyResult:
     collapse_step: int | None
     final_scale: float
     scales: tuple[float, ...]
+    matches_recording: bool | None = None
 
     def summary(self) -> dict[str, Any]:
         """The headline numbers as a JSON-safe dict (no per-step data)."""
@@ -169,6 +180,7 @@ class PolicyResult:
             "collapsed": self.collapsed,
             "collapse_step": self.collapse_step,
             "final_scale": self.final_scale,
+            "matches_recording": self.matches_recording,
         }
 
 
@@ -221,9 +233,18 @@ def simulate(
     if not specs:
         raise InvalidArgumentError("policies is empty, but it must name at least one policy")
     resolved = {name: _resolve(name, spec) for name, spec in specs.items()}
-    return {
+    results = {
         name: _replay(name, trace, config, policy, DTYPE_MAX[dtype])
         for name, (config, policy) in resolved.items()
+    }
+    if trace.found is None or trace.recorded_with is None:
+        return results
+    recording = _replay("recording", trace, trace.recorded_with, update, DTYPE_MAX[dtype])
+    return {
+        name: dataclasses.replace(
+            r, matches_recording=r.scales == recording.scales[: len(r.scales)]
+        )
+        for name, r in results.items()
     }
 
 
@@ -312,7 +333,16 @@ def load_trace(source: str | Path) -> Trace:
             f"trace={str(source)!r} is not a file; pass a .csv or .json path or one of "
             f"the examples {sorted(EXAMPLE_TRACES)}"
         )
-    return _parse(path.read_text(encoding="utf-8"), path.suffix.lower(), path.stem, str(path))
+    try:
+        text = path.read_bytes().decode("utf-8-sig")  # a byte order mark is not a header
+    except UnicodeDecodeError as exc:
+        raise TraceError(
+            f"trace {str(path)!r} is not UTF-8 text ({exc.reason} at byte {exc.start}); "
+            f"save it as UTF-8"
+        ) from None
+    except OSError as exc:
+        raise TraceError(f"trace {str(path)!r} cannot be read: {exc.strerror}") from None
+    return _parse(text, path.suffix.lower(), path.stem, str(path))
 
 
 def example_trace(name: str) -> Trace:
@@ -332,41 +362,69 @@ def _parse(text: str, suffix: str, name: str, where: str) -> Trace:
     raise TraceError(f"trace {where!r} has suffix {suffix!r}, but it must be .csv or .json")
 
 
+_SHOWN_BITS, _SHOWN_CHARS = 64, 60
+
+
+def _show(value: object) -> str:
+    """``repr(value)``, short: an integer too long to print is described instead."""
+    if isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > _SHOWN_BITS:
+        return f"an integer of {value.bit_length()} bits"
+    text = repr(value)
+    return text if len(text) <= _SHOWN_CHARS else text[: _SHOWN_CHARS - 3] + "..."
+
+
 def _flag(value: object, where: str) -> bool:
     if isinstance(value, bool):
         return value
-    text = str(value).strip().lower()
+    if isinstance(value, int) and value in (0, 1):
+        return bool(value)
+    text = value.strip().lower() if isinstance(value, str) else None
     if text in ("1", "true"):
         return True
     if text in ("0", "false"):
         return False
-    raise TraceError(f"{where}: found={value!r}, but it must be 0, 1, true or false")
+    raise TraceError(f"{where}: found={_show(value)}, but it must be 0, 1, true or false")
 
 
 def _grad(value: object, where: str) -> float:
     if value is None:
         return math.nan
-    if isinstance(value, bool):
-        raise TraceError(f"{where}: max_abs_grad={value!r}, but it must be a number")
-    try:
-        return float(value)  # type: ignore[arg-type]
-    except (TypeError, ValueError):
-        raise TraceError(
-            f"{where}: max_abs_grad={value!r}, but it must be a number, nan or inf"
-        ) from None
+    if isinstance(value, (int, float, str)) and not isinstance(value, bool):
+        try:
+            return float(value)
+        except ValueError:
+            pass
+        except OverflowError:  # an integer beyond every float
+            raise TraceError(
+                f"{where}: max_abs_grad={_show(value)} is too large for a float; write "
+                f"Infinity (or inf) for a step that overflows at every scale"
+            ) from None
+    raise TraceError(f"{where}: max_abs_grad={_show(value)}, but it must be a number, nan or inf")
 
 
 def _parse_csv(text: str, name: str, where: str) -> Trace:
-    rows = list(csv.DictReader(io.StringIO(text)))
-    columns = set(rows[0]) if rows else set()
-    if "found" in columns:
-        found = tuple(_flag(r["found"], f"{where} row {i + 2}") for i, r in enumerate(rows))
+    rows = [row for row in csv.reader(io.StringIO(text)) if row]  # blank lines are no steps
+    if not rows:
+        raise TraceError(f"trace {where!r} is empty; it needs a header row and one row a step")
+    header = [cell.strip() for cell in rows[0]]
+    repeated = sorted({c for c in header if header.count(c) > 1})
+    if repeated:
+        raise TraceError(f"trace {where!r} repeats the column {repeated[0]!r} in its header")
+    for i, row in enumerate(rows[1:], start=2):
+        if len(row) != len(header):
+            raise TraceError(
+                f"trace {where!r} row {i} has {len(row)} cells but the header has {len(header)}"
+            )
+    if "found" in header:
+        col = header.index("found")
+        found = tuple(_flag(r[col], f"{where} row {i}") for i, r in enumerate(rows[1:], start=2))
         return Trace(name=name, found=found)
-    if "max_abs_grad" in columns:
-        grads = tuple(_grad(r["max_abs_grad"], f"{where} row {i + 2}") for i, r in enumerate(rows))
+    if "max_abs_grad" in header:
+        col = header.index("max_abs_grad")
+        grads = tuple(_grad(r[col], f"{where} row {i}") for i, r in enumerate(rows[1:], start=2))
         return Trace(name=name, max_abs_grad=grads)
     raise TraceError(
-        f"trace {where!r} has columns {sorted(columns)}, but it needs a 'found' or a "
+        f"trace {where!r} has columns {sorted(header)}, but it needs a 'found' or a "
         f"'max_abs_grad' column (and a header row)"
     )
 
@@ -374,27 +432,48 @@ def _parse_csv(text: str, name: str, where: str) -> Trace:
 def _parse_json(text: str, name: str, where: str) -> Trace:
     try:
         data = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise TraceError(f"trace {where!r} is not valid JSON: {exc}") from None
+    except RecursionError:
+        raise TraceError(f"trace {where!r} is nested too deeply to be a trace") from None
+    except ValueError as exc:  # JSONDecodeError, or an integer of more than 4300 digits
+        raise TraceError(f"trace {where!r} is not valid JSON: {str(exc)[:200]}") from None
     if not isinstance(data, dict):
         raise TraceError(f"trace {where!r} holds a {type(data).__name__}, not a JSON object")
     for key in ("found", "max_abs_grad"):
         if key in data and not isinstance(data[key], list):
             raise TraceError(f"trace {where!r}: {key!r} must be a list")
+    source = data.get("source", "")
+    if not isinstance(source, str):
+        raise TraceError(f"trace {where!r}: 'source' must be a string")
+    recorded_with = _recorded_with(data.get("recorded_with"), where)
     if "found" in data:
         return Trace(
             name=name,
             found=tuple(_flag(v, f"{where} found[{i}]") for i, v in enumerate(data["found"])),
+            recorded_with=recorded_with,
+            source=source,
         )
     if "max_abs_grad" in data:
         grads = data["max_abs_grad"]
         return Trace(
             name=name,
             max_abs_grad=tuple(_grad(v, f"{where} max_abs_grad[{i}]") for i, v in enumerate(grads)),
+            source=source,
         )
     raise TraceError(
         f"trace {where!r} has keys {sorted(data)}, but it needs a 'found' or a 'max_abs_grad' list"
     )
+
+
+def _recorded_with(data: object, where: str) -> ScalerConfig | None:
+    """The ``recorded_with`` key: a config's fields (``ScalerConfig.to_dict()``)."""
+    if data is None:
+        return None
+    if not isinstance(data, dict):
+        raise TraceError(f"trace {where!r}: 'recorded_with' must be an object of config fields")
+    try:
+        return ScalerConfig(**data)
+    except (InvalidConfigError, TypeError) as exc:
+        raise TraceError(f"trace {where!r}: 'recorded_with' is not a config: {exc}") from None
 
 
 # ------------------------------------------------------------------------ report
@@ -439,7 +518,43 @@ def format_report(trace: Trace, results: Mapping[str, PolicyResult], dtype: str)
         lines.append("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip())
         if j == 0:
             lines.append("  ".join("-" * w for w in widths))
+    lines.extend(_notes(trace, results))
     return "\n".join(lines)
+
+
+def _notes(trace: Trace, results: Mapping[str, PolicyResult]) -> list[str]:
+    """What a reader must know to trust the table: found flags are not policy-free."""
+    if trace.found is None:
+        return []
+    others = [name for name, r in results.items() if r.matches_recording is False]
+    if trace.recorded_with is None:
+        return [
+            "note: found flags are replayed as recorded; a policy at other scales than the "
+            "recording run would have met other overflows (compare policies on a "
+            "max_abs_grad trace)"
+        ]
+    if not others:
+        return []
+    they = len(others) > 1
+    text = (
+        f"note: these flags were recorded under another policy than {', '.join(others)} "
+        f"({_brief(trace.recorded_with)}): at the scales {'they' if they else 'it'} replayed "
+        f"them the run's overflows would have differed, so {'their' if they else 'its'} rows "
+        f"are not what {'they' if they else 'it'} would have met; compare policies on a "
+        f"max_abs_grad trace"
+    )
+    return textwrap.wrap(text, width=96, subsequent_indent="  ")
+
+
+def _brief(config: ScalerConfig) -> str:
+    """The fields of ``config`` that differ from the defaults, as ``name=value``."""
+    default = ScalerConfig()
+    changed = [
+        f"{f.name}={getattr(config, f.name)!r}"
+        for f in dataclasses.fields(config)
+        if getattr(config, f.name) != getattr(default, f.name)
+    ]
+    return "ScalerConfig(" + ", ".join(changed) + ")"
 
 
 def _num(value: float | None) -> str:

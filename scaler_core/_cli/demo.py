@@ -41,6 +41,7 @@ import textwrap
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
+from pathlib import Path
 from typing import Any, TextIO
 
 import numpy as np
@@ -50,6 +51,7 @@ from scaler_core._config import ScalerConfig
 from scaler_core._errors import InvalidArgumentError, MissingDependencyError
 from scaler_core._lifecycle import GradScaler
 
+from ._files import PLOT_FORMATS, check_output, write
 from ._plot import pyplot
 
 __all__ = [
@@ -136,6 +138,11 @@ class DemoSettings:
         _check_int("seed", self.seed, 0, 2**63 - 1)
         _check_positive("lr", self.lr)
         _check_positive("loss_weight", self.loss_weight)
+        if not _finite_f32(self.lr / self.loss_weight):  # the step size actually applied
+            raise InvalidArgumentError(
+                f"lr / loss_weight = {self.lr / self.loss_weight:g}, but the learning rate "
+                f"actually applied must be a finite float32; lower lr or raise loss_weight"
+            )
         if self.backend not in ARRAY_MODULES:
             raise InvalidArgumentError(
                 f"backend={self.backend!r}, but the demo runs on one of {sorted(ARRAY_MODULES)}"
@@ -157,12 +164,19 @@ def _check_int(name: str, value: object, low: int, high: int) -> None:
         raise InvalidArgumentError(f"{name}={value!r}, but it must be an int in [{low}, {high}]")
 
 
+def _finite_f32(value: float) -> bool:
+    """Whether ``value`` stays finite as a float32 (1e39 does not)."""
+    with np.errstate(over="ignore"):
+        return bool(np.isfinite(np.float32(value)))
+
+
 def _check_positive(name: str, value: object) -> None:
     if (
         isinstance(value, bool)
         or not isinstance(value, (int, float))
         or not math.isfinite(value)
         or not value > 0
+        or not _finite_f32(value)  # the demo computes in float32
         or not np.float32(value) > 0
     ):
         raise InvalidArgumentError(
@@ -684,14 +698,19 @@ def _num(value: float) -> str:
 
 
 def write_json(result: DemoResult, path: str) -> None:
-    """Write every number of the demo to ``path`` as JSON."""
-    with open(path, "w", encoding="utf-8") as f:
-        json.dump(result.to_json(), f, indent=1, allow_nan=False)
-        f.write("\n")
+    """Write every number of the demo to ``path`` as JSON.
+
+    Raises:
+        InvalidArgumentError: The file could not be written (one line for the CLI).
+    """
+    text = json.dumps(result.to_json(), indent=1, allow_nan=False) + "\n"
+    write("--json", path, lambda p: Path(p).write_text(text, encoding="utf-8"))
 
 
 def write_plot(result: DemoResult, path: str) -> None:
-    """Draw training loss and the loss scale against steps into ``path`` (PNG).
+    """Draw training loss and the loss scale against steps into ``path``.
+
+    The format follows the file name: ``.png``, ``.pdf`` or ``.svg`` (PNG otherwise).
 
     Raises:
         MissingDependencyError: matplotlib is not installed.
@@ -722,8 +741,11 @@ def write_plot(result: DemoResult, path: str) -> None:
     ax_scale.set_ylabel("loss scale")
     ax_scale.set_xlabel("step")
     fig.tight_layout()
-    fig.savefig(path, format="png", dpi=100)
-    plt.close(fig)
+    fmt = PLOT_FORMATS.get(os.path.splitext(path)[1].lower(), "png")
+    try:
+        write("--plot", path, lambda p: fig.savefig(p, format=fmt, dpi=100))
+    finally:
+        plt.close(fig)
 
 
 def _smooth(values: np.ndarray, window: int = 20) -> np.ndarray:
@@ -817,9 +839,10 @@ def run_command(args: argparse.Namespace, stdout: TextIO | None = None) -> int:
         dataset=args.dataset,
     )
     # Everything that can fail is checked before a minute of training is spent.
-    for flag, path in (("--plot", args.plot), ("--json", args.json)):
-        if path is not None:
-            _check_writable(flag, path)
+    if args.plot is not None:
+        check_output("--plot", args.plot, PLOT_FORMATS)
+    if args.json is not None:
+        check_output("--json", args.json)
     if args.plot is not None:
         pyplot("--plot")
     array_module(settings.backend)
@@ -839,18 +862,6 @@ def run_command(args: argparse.Namespace, stdout: TextIO | None = None) -> int:
         write_plot(result, args.plot)
         print(f"plot written to {args.plot}", file=out)
     return 0
-
-
-def _check_writable(flag: str, path: str) -> None:
-    folder = os.path.dirname(os.path.abspath(path))
-    if not os.path.isdir(folder):
-        raise InvalidArgumentError(
-            f"{flag} {path!r}: the folder {folder!r} does not exist; create it first"
-        )
-    if os.path.isdir(path):
-        raise InvalidArgumentError(f"{flag} {path!r} is a folder; pass a file name")
-    if not os.access(folder, os.W_OK):
-        raise InvalidArgumentError(f"{flag} {path!r}: the folder {folder!r} is not writable")
 
 
 @contextmanager

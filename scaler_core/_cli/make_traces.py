@@ -112,6 +112,7 @@ def write_traces(out_dir: Path) -> None:
             "scaler_core._cli.make_traces: synthetic float16 MLP run (seed 1), found flags as "
             "seen under preset('jmp'); a corrupted shard makes steps 700-849 NaN"
         ),
+        "recorded_with": preset("jmp").to_dict(),
         "found": found,
     }
     (out_dir / "mlp_fp16_nan_burst.json").write_text(json.dumps(doc) + "\n", encoding="utf-8")
@@ -133,6 +134,7 @@ def write_demo_trace(out_dir: Path) -> None:
             "scaler-core demo, DemoSettings(dataset='digits') defaults: found flags of the "
             f"float16+scaler run under {settings.scaler_config()!r}"
         ),
+        "recorded_with": settings.scaler_config().to_dict(),
         "found": [step in skipped for step in range(settings.steps)],
     }
     (out_dir / "mlp_fp16_demo.json").write_text(json.dumps(doc) + "\n", encoding="utf-8")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import re
 import sys
 from collections.abc import Mapping
 from pathlib import Path
@@ -24,6 +25,7 @@ from scaler_core.simulate import (
     simulate,
 )
 
+from ._files import PLOT_FORMATS, check_output, write
 from ._plot import pyplot
 
 __all__ = ["add_parser", "run", "write_plot"]
@@ -46,11 +48,17 @@ def write_plot(results: Mapping[str, PolicyResult], path: str | Path, title: str
     ax.set_title(title)
     ax.legend(fontsize="small")
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    fmt = PLOT_FORMATS.get(Path(path).suffix.lower(), "png")
+    try:
+        write("--plot", str(path), lambda p: fig.savefig(p, format=fmt, dpi=110))
+    finally:
+        plt.close(fig)
 
 
 # --------------------------------------------------------------------------- CLI
+_MODULE_ATTR = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*")
+
+
 def _policy_arg(text: str) -> tuple[str, PolicySpec]:
     """A preset name, or ``module:attr`` naming a config, a (config, policy) pair or a policy."""
     if ":" not in text:
@@ -60,11 +68,18 @@ def _policy_arg(text: str) -> tuple[str, PolicySpec]:
                 f"module:attribute"
             )
         return text, text
+    if not _MODULE_ATTR.fullmatch(text):
+        raise InvalidArgumentError(
+            f"--policy {text!r} is not a preset nor module:attribute (a dotted module name, "
+            f"a colon, a name: my_policies:cautious)"
+        )
     module, _, attr = text.partition(":")
     try:
         obj = getattr(importlib.import_module(module), attr)
-    except (ImportError, AttributeError) as exc:
-        raise InvalidArgumentError(f"--policy {text!r} cannot be imported: {exc}") from None
+    except Exception as exc:  # not found, or the module itself raised while importing
+        raise InvalidArgumentError(
+            f"--policy {text!r} cannot be imported: {type(exc).__name__}: {exc}"
+        ) from None
     if isinstance(obj, (ScalerConfig, tuple)):
         return attr, obj
     if callable(obj):
@@ -99,7 +114,11 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         help="gradient dtype for max_abs_grad traces (default float16)",
     )
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
-    parser.add_argument("--plot", metavar="PNG", help="draw the scale trajectories to this file")
+    parser.add_argument(
+        "--plot",
+        metavar="FILE",
+        help="draw the scale trajectories to this .png, .pdf or .svg file",
+    )
     parser.set_defaults(run=run)
     return parser
 
@@ -107,15 +126,20 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
 def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
     """Run ``scaler-core simulate`` with parsed arguments; returns the exit code."""
     out = sys.stdout if out is None else out
+    if args.plot is not None:  # everything that can be refused is, before any work
+        check_output("--plot", args.plot, PLOT_FORMATS)
+        pyplot("--plot")
     trace = load_trace(args.trace)
     names = args.policy or sorted(PRESETS)
     specs = dict(_policy_arg(text) for text in names)
     results = simulate(trace, specs, dtype=args.dtype)
     if args.json:
+        recorded = trace.recorded_with
         payload = {
             "trace": trace.name,
             "steps": len(trace),
             "dtype": args.dtype,
+            "recorded_with": None if recorded is None else recorded.to_dict(),
             "policies": [r.summary() for r in results.values()],
         }
         json.dump(payload, out, indent=2)

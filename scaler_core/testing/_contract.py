@@ -63,12 +63,17 @@ class BackendSubject:
             dtype, shape and values; a 0-d array stays 0-d).
         to_numpy: An array of the library back to a host NumPy array.
         dtypes: The gradient dtypes checked (those the library round-trips).
+        flushes_subnormals: The library computes with subnormals flushed to zero
+            (XLA does, on CPU and GPU): subnormal inputs of the multiply count as
+            zero and subnormal products become zero, signs kept. The
+            ``subnormals`` check then expects exactly that, and nothing else.
     """
 
     backend: Backend
     asarray: Callable[[np.ndarray], Any]
     to_numpy: Callable[[Any], np.ndarray]
     dtypes: tuple[np.dtype[Any], ...]
+    flushes_subnormals: bool = False
 
     @property
     def name(self) -> str:
@@ -87,6 +92,18 @@ def _unscaled(host: np.ndarray, scale: float) -> np.ndarray:
         if host.dtype in _HALF:
             return np.asarray(host.astype(np.float32) * np.float32(inv), dtype=host.dtype)
         return np.asarray(host * host.dtype.type(inv), dtype=host.dtype)
+
+
+def _unscaled_flushed(host: np.ndarray, scale: float) -> np.ndarray:
+    """:func:`_unscaled` where the multiply flushes subnormals (FTZ and DAZ)."""
+    compute = np.dtype(np.float64 if host.dtype == np.dtype(np.float64) else np.float32)
+    tiny = compute.type(np.finfo(compute).tiny)
+    with np.errstate(over="ignore", invalid="ignore"):
+        x = host.astype(compute)
+        x = np.where(np.abs(x) < tiny, np.copysign(compute.type(0), x), x)
+        y = np.asarray(x * compute.type(_inv(scale)), dtype=compute)
+        y = np.where(np.abs(y) < tiny, np.copysign(compute.type(0), y), y)
+        return np.asarray(y, dtype=compute).astype(host.dtype)
 
 
 def _non_finite(*arrays: np.ndarray) -> bool:
@@ -248,6 +265,37 @@ def _check_unscale_trees(c: _Check) -> None:
         _, found = c.backend.unscale(empty_tree, 2.0)
         if c.flag(found, "unscale()"):
             raise c.fail(f"the empty tree {empty_tree!r} was flagged")
+
+
+def _subnormal_values(dtype: np.dtype[Any]) -> np.ndarray:
+    """Subnormals of ``dtype`` (and of float32, which half types compute in), values
+    whose unscaled results are subnormal, and normal values around them."""
+    info = ml_dtypes.finfo(dtype)  # type: ignore[no-untyped-call, unused-ignore]
+    tiny = float(info.tiny)
+    f32_tiny = float(np.finfo(np.float32).tiny)
+    values = [tiny / 2, -tiny / 4, tiny / 1024, tiny, -tiny, 3 * tiny, 2.0**-20, -1.5]
+    values += [f32_tiny / 8, -f32_tiny / 2, f32_tiny * 2**10, f32_tiny * 2**20]
+    return np.asarray(values, dtype=np.float64).astype(dtype)
+
+
+def _check_subnormals(c: _Check) -> None:
+    """Subnormal inputs and results, exactly as the rules give them; a backend that
+    declares ``flushes_subnormals`` (XLA) exactly as flushing gives them."""
+    expect = _unscaled_flushed if c.subject.flushes_subnormals else _unscaled
+    for dtype in c.subject.dtypes:
+        for scale in (2.0**16, 2.0**-8):  # shrinks into the subnormals; lifts out of them
+            host = _subnormal_values(dtype)
+            want = expect(host, scale)
+            out, found = c.backend.unscale([c.array(host)], scale)
+            got = c.host(out[0])
+            if not _same_bits(got, want):
+                raise c.fail(
+                    f"unscale of {dtype} subnormals at scale={scale!r} gave {got!r}, "
+                    f"the rules give {want!r}"
+                    + (" (with subnormals flushed)" if c.subject.flushes_subnormals else "")
+                )
+            if c.flag(found, "unscale()"):
+                raise c.fail(f"subnormal {dtype} values were flagged as non-finite")
 
 
 def _check_find_non_finite(c: _Check) -> None:
@@ -417,6 +465,7 @@ _CHECKS: Mapping[str, Callable[[_Check], None]] = MappingProxyType(
         "protocol": _check_protocol,
         "unscale_values": _check_unscale_values,
         "unscale_trees": _check_unscale_trees,
+        "subnormals": _check_subnormals,
         "find_non_finite": _check_find_non_finite,
         "rejects_bad_leaves": _check_rejects_bad_leaves,
         "rejects_bad_scales": _check_rejects_bad_scales,
@@ -482,6 +531,7 @@ def check_backend(
     *,
     asarray: Callable[[np.ndarray], Any] | None = None,
     to_numpy: Callable[[Any], np.ndarray] | None = None,
+    flushes_subnormals: bool | None = None,
     only: Iterable[str] | None = None,
 ) -> list[str]:
     """Run the Backend contract's checks on ``backend``; raise at the first broken one.
@@ -498,6 +548,9 @@ def check_backend(
         asarray: Turns a host NumPy array into an array of the backend's library;
             known for ``numpy``, ``jax`` and ``cupy`` backends.
         to_numpy: The way back.
+        flushes_subnormals: The library flushes subnormals in arithmetic (see
+            :class:`BackendSubject`); by default true for ``jax`` (XLA), false
+            otherwise.
         only: Names of the checks to run; all when omitted.
 
     Returns:
@@ -524,7 +577,9 @@ def check_backend(
         default_in, default_out = _default_conversions(str(getattr(backend, "name", "")))
         asarray = default_in if asarray is None else asarray
         to_numpy = default_out if to_numpy is None else to_numpy
-    subject = BackendSubject(backend, asarray, to_numpy, _round_trips(asarray, to_numpy))
+    name = str(getattr(backend, "name", ""))
+    flushes = name == "jax" if flushes_subnormals is None else bool(flushes_subnormals)
+    subject = BackendSubject(backend, asarray, to_numpy, _round_trips(asarray, to_numpy), flushes)
     if not subject.dtypes:
         raise BackendContractError(
             f"check 'dtypes' failed for backend {subject.name!r}: asarray/to_numpy round-trip "

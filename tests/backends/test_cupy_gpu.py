@@ -532,3 +532,16 @@ def test_flags_are_device_arrays_on_the_arrays_device() -> None:
     g = cupy.ones(4, np.float32)
     found = CP.find_non_finite([g])
     assert found.device.id == g.device.id
+
+
+@pytest.mark.parametrize("bad", [-2.0, 0.0, np.inf, np.nan, 1e-40])
+def test_a_bad_device_scale_fails_closed_without_a_host_read(bad: float) -> None:
+    """A device scale is not read back (that would synchronise); a bad one makes every
+    gradient NaN and sets the flag, so the step is skipped and the update records a
+    collapse, where a sign flip or a zero would have trained on silently."""
+    grads = [device_copy(np.ones(8, np.float32))]
+    _, found = CP.unscale(grads, cupy.asarray(bad, np.float32))
+    assert bool(found.get())
+    assert not np.isfinite(to_host(grads[0])).any()
+    loss = CP.scale_loss(cupy.ones((), np.float32), cupy.asarray(bad, np.float32))
+    assert not np.isfinite(float(loss.get()))

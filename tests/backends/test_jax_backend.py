@@ -280,3 +280,20 @@ def test_reduce_found_ors_over_a_named_axis_and_facade_works_eagerly() -> None:
     scaler.update()
     assert sc.to_dict(scaler.state)["state"]["skipped_steps"] == 1
     assert scaler.scale == 65536.0
+
+
+@pytest.mark.parametrize("bad", [-2.0, 0.0, float("inf"), float("nan"), 1e-40])
+def test_a_bad_device_scale_is_refused_or_fails_closed(bad: float) -> None:
+    """A concrete device scale is validated like a host one (a sign flip, 0, inf, NaN or a
+    subnormal is refused); under jit, where it has no value yet, the step fails closed:
+    the flag is set and the next update records a collapse instead of training on."""
+    scale = jnp.asarray(bad, jnp.float32)
+    grads = {"w": jnp.ones(3)}
+    with pytest.raises(sc.GradientValueError, match="scale="):
+        BACKEND.unscale(grads, scale)
+    with pytest.raises(sc.GradientValueError, match="scale="):
+        BACKEND.scale_loss(jnp.ones(()), scale)
+    out, found = jax.jit(BACKEND.unscale)(grads, scale)
+    assert bool(found)
+    assert not np.isfinite(np.asarray(out["w"])).any()
+    assert not np.isfinite(float(jax.jit(BACKEND.scale_loss)(jnp.ones(()), scale)))

@@ -4,7 +4,10 @@ backend, in ``test_contract.py``."""
 
 from __future__ import annotations
 
+import importlib.util
+import warnings
 from collections import namedtuple
+from functools import partial
 from typing import Any
 
 import ml_dtypes
@@ -109,3 +112,73 @@ def test_backend_lookup_errors() -> None:
     assert "numpy" in sc.available_backends()
     assert sc.backend_for([np.ones(1)]).name == "numpy"
     assert isinstance(sc.get_backend("numpy"), sc.Backend)
+
+
+class _NoUfuncs(np.ndarray):
+    """An ndarray subclass that opts out of NumPy's arithmetic."""
+
+    def __array_ufunc__(self, *args: Any, **kwargs: Any) -> Any:
+        return NotImplemented
+
+
+def _subclass_leaf(kind: str) -> Any:
+    if kind == "matrix":
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", PendingDeprecationWarning)
+            return np.matrix(np.ones((2, 2), np.float32))
+    if kind == "masked":
+        masked = np.ma.masked_array(np.ones(4, np.float32), mask=[False, True, False, False])
+        masked.data[1] = np.nan  # a NaN under the mask
+        return masked
+    return np.ones(4, np.float32).view(_NoUfuncs)
+
+
+def _every_numpy_path() -> list[Any]:
+    from scaler_core.backends._numpy import NumpyBackend
+    from scaler_core.backends._numpy_reference import NumpyReferenceBackend
+
+    paths = [NumpyReferenceBackend(), NumpyBackend(use_numba=False)]
+    if importlib.util.find_spec("numba") is not None:
+        paths.append(NumpyBackend(use_numba=True))
+    return paths
+
+
+@pytest.mark.parametrize("kind", ["matrix", "masked", "no-ufuncs"])
+@pytest.mark.parametrize("count", [3, 40], ids=["few", "cached"])
+def test_ndarray_subclasses_are_refused_the_same_on_every_path(kind: str, count: int) -> None:
+    """A matrix, a masked array or a subclass without ufuncs is refused by name, before any
+    leaf is touched, on the reference, the pure-NumPy and the numba paths alike."""
+    for backend in _every_numpy_path():
+        grads: list[Any] = [np.full(8, 4.0, np.float32) for _ in range(count)]
+        grads.insert(count // 2, _subclass_leaf(kind))
+        before = [np.array(g) for g in grads]
+        calls = (partial(backend.unscale, grads, 2.0), partial(backend.find_non_finite, grads))
+        for call in calls:
+            with pytest.raises(
+                sc.GradientTypeError, match=rf"grads\[{count // 2}\] is a .*subclass"
+            ):
+                call()
+        for g, b in zip(grads, before, strict=True):
+            assert np.array_equal(np.asarray(g), b, equal_nan=True), "a refused call modified"
+
+
+def test_a_memmap_is_a_plain_buffer_and_is_unscaled(tmp_path: Any) -> None:
+    mapped = np.memmap(tmp_path / "g.bin", dtype=np.float32, mode="w+", shape=(6,))
+    mapped[:] = 4.0
+    _, found = sc.unscale([mapped], 2.0)
+    assert not found
+    assert mapped.tolist() == [2.0] * 6
+
+
+@pytest.mark.parametrize("scale", [1.0, 2.0])
+def test_a_signalling_nan_is_found_without_a_warning_on_every_path(scale: float) -> None:
+    """NumPy warns 'invalid value' on a signalling NaN; the flag is the answer (and the
+    test suite turns warnings into errors, so a warning would fail here)."""
+    for backend in _every_numpy_path():
+        for count in (1, 40):  # one array, and a cached set
+            grads = [np.ones(4, ml_dtypes.bfloat16) for _ in range(count)]
+            grads[-1].view(np.uint16)[2] = 0x7F90  # a signalling NaN (bfloat16 warns)
+            assert bool(backend.find_non_finite(grads))
+            assert bool(backend.find_non_finite(grads))  # again: the cached plan
+            _, found = backend.unscale(grads, scale)
+            assert bool(found)

@@ -446,3 +446,45 @@ def test_demo_on_other_backends(backend: str) -> None:
     for mode in demo.MODES:
         assert ours.runs[mode].test_loss == pytest.approx(ref.runs[mode].test_loss, rel=1e-3)
     assert ours.runs["float16+scaler"].skipped == ref.runs["float16+scaler"].skipped
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--loss-weight", "1e39"], "loss_weight=1e+39"),
+        (["--lr", "1e39"], "lr=1e+39"),
+        (["--lr", "1e30", "--loss-weight", "1e-30"], "lr / loss_weight"),
+        (["--plot", "out.gif"], "--plot 'out.gif'"),
+    ],
+)
+def test_cli_refuses_settings_no_float32_run_can_use(
+    argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Values that pass as float64 but are inf in float32 (where the demo computes)
+    would run to the end with NaN losses and exit 0; they are refused up front."""
+    code, out, err = _run_cli([*SMALL, *argv], capsys)
+    assert code == 2
+    assert out == ""
+    assert message in err
+    assert err.count("\n") == 1
+
+
+@pytest.mark.skipif(not Path("/dev/full").exists(), reason="needs /dev/full (Linux)")
+def test_a_json_file_that_cannot_be_written_is_one_line(capsys: pytest.CaptureFixture[str]) -> None:
+    code, _, err = _run_cli([*SMALL, "--json", "/dev/full"], capsys)
+    assert code == 2
+    assert "--json '/dev/full' could not be written: No space left on device" in err
+    assert err.count("\n") == 1
+
+
+@pytest.mark.parametrize(
+    ("suffix", "magic"), [(".pdf", b"%PDF"), (".svg", b"<?xml"), (".png", b"\x89PNG")]
+)
+def test_the_plot_is_written_in_the_format_its_name_asks_for(
+    tmp_path: Path, suffix: str, magic: bytes, capsys: pytest.CaptureFixture[str]
+) -> None:
+    pytest.importorskip("matplotlib", reason="--plot needs matplotlib")
+    path = tmp_path / f"demo{suffix}"
+    code, _, err = _run_cli([*SMALL, "--plot", str(path)], capsys)
+    assert code == 0, err
+    assert path.read_bytes().startswith(magic)

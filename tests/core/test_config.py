@@ -74,8 +74,11 @@ def test_config_is_frozen() -> None:
         cfg.init_scale = 1.0  # type: ignore[misc]
 
 
-def test_scales_are_stored_as_float32_values() -> None:
-    assert sc.ScalerConfig(init_scale=0.1).init_scale == 0.10000000149011612
+def test_a_scale_is_exactly_a_float32_or_refused() -> None:
+    """As for the factors: no silent rounding; the error gives the float32 to use."""
+    with pytest.raises(sc.InvalidConfigError, match=r"init_scale=0\.1, .*use 0\.10000000149011612"):
+        sc.ScalerConfig(init_scale=0.1)
+    assert sc.ScalerConfig(init_scale=0.10000000149011612).init_scale == 0.10000000149011612
 
 
 @given(configs())

@@ -173,6 +173,7 @@ def _make_call(scaler: sc.GradScaler, call: Call, group: str) -> Callable[[], An
         Call.UPDATE: scaler.update,
         Call.STATE_DICT: scaler.state_dict,
         Call.LOAD_STATE_DICT: lambda: scaler.load_state_dict(sc.to_dict(scaler.state)),
+        Call.ABANDON_STEP: scaler.abandon_step,
     }[call]
 
 
@@ -206,7 +207,7 @@ class FacadeFollowsTheTable(RuleBasedStateMachine):
         self.phase = outcome
         if call is Call.UNSCALE:
             self.unscaled.add(group)
-        if call is Call.UPDATE:
+        if call in (Call.UPDATE, Call.ABANDON_STEP):
             self.unscaled.clear()
 
     @invariant()
@@ -230,3 +231,54 @@ def test_unscale_after_the_decision_unscales_nothing() -> None:
     scaler.update()
     scaler.unscale(late, group="b")  # not marked as unscaled by the refused call
     assert late["b"].tolist() == [1.0, 1.0]
+
+
+@pytest.mark.parametrize(
+    ("config", "error"),
+    [
+        (sc.ScalerConfig(init_scale=2.0**-126), sc.ScaleCollapseError),
+        (sc.ScalerConfig(max_consecutive_skips=1), sc.SkipLimitError),
+        (sc.ScalerConfig(min_scale=2.0**16, at_min_scale="raise"), sc.ScaleCollapseError),
+    ],
+    ids=["collapse", "skip-limit", "floor-raise"],
+)
+def test_a_refused_update_leaves_a_way_out(config: sc.ScalerConfig, error: type) -> None:
+    """After a fail-closed refusal the step can be abandoned: the state is as before the
+    step, and the scaler takes a checkpoint or a new step again."""
+    scaler = sc.GradScaler(config)
+    saved = scaler.state_dict()
+    refusal = None
+    for _ in range(3):  # the skip limit needs a second overflow
+        scaler.unscale(grads_with(np.inf))
+        try:
+            scaler.update()
+        except error as exc:
+            refusal = exc
+            break
+    assert refusal is not None
+    before = scaler.state
+    with pytest.raises(error):
+        scaler.update()  # the same step's flags: refused again
+    with pytest.raises(sc.LifecycleError, match=r"abandon_step\(\)"):
+        scaler.load_state_dict(saved)
+    with pytest.raises(sc.LifecycleError, match=r"abandon_step\(\)"):
+        scaler.unscale(grads_with(1.0))
+    scaler.abandon_step()
+    assert scaler.phase is sc.StepPhase.READY
+    assert scaler.state is before, "abandoning a step changes no state"
+    assert scaler.found_non_finite is None
+    scaler.load_state_dict(saved)  # resume from a checkpoint ...
+    assert scaler.state == sc.from_dict(saved)
+    scaler.unscale({"w": np.full(3, scaler.scale, np.float32)})  # ... and train on
+    assert not scaler.should_skip_step()
+    assert scaler.update().steps == 1
+
+
+def test_messages_name_the_loss_and_the_flag_not_the_gradients() -> None:
+    with pytest.raises(sc.GradientTypeError, match=r"^loss is a builtins\.float") as info:
+        sc.GradScaler().scale_loss(1.0)
+    assert "grads" not in str(info.value)
+    for bad in ([True], (np.bool_(True),), {"found": True}):
+        with pytest.raises(sc.GradientTypeError, match=r"^found_non_finite=") as err:
+            sc.update(sc.init(), bad)
+        assert "grads" not in str(err.value)

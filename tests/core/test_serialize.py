@@ -7,6 +7,7 @@ import copy
 import json
 from typing import Any
 
+import numpy as np
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -129,7 +130,7 @@ TORCH_BAD = {
             "growth_interval": 10,
             "_growth_tracker": 0,
         },
-        "init_scale",
+        r"state_dict\['scale'\]",
     ),
     "tracker past interval": (
         {
@@ -162,3 +163,53 @@ def test_torch_format_round_trip_without_torch() -> None:
     }
     back = sc.from_torch_state_dict(exported, sc.ScalerConfig(min_scale=4.0))
     assert (back.scale, back.growth_tracker, back.config.min_scale) == (32768.0, 1, 4.0)
+
+
+# ------------------------------------------------ messages name the right thing
+@pytest.mark.parametrize(
+    ("where", "key", "value"),
+    [
+        ("config", "at_min_scale", np.array(["hold", "raise"])),
+        ("config", "hysteresis_refill", np.array(["on_growth", "x"])),
+        ("config", "at_max_scale", np.array(["block"])),
+        ("state", "scale", np.array([65536.0, 1.0])),
+        ("state", "steps", np.array([3])),
+    ],
+)
+def test_array_values_in_a_checkpoint_are_refused_by_key(where: str, key: str, value: Any) -> None:
+    data = sc.to_dict(sc.init())
+    bad = {**data, where: {**data[where], key: value}}
+    with pytest.raises(sc.InvalidStateError, match=key):
+        sc.from_dict(bad)
+
+
+@pytest.mark.parametrize(
+    ("key", "value"),
+    [("schema", np.array(["scaler_core.state"])), ("version", np.array([1])), ("version", 1.0)],
+)
+def test_schema_and_version_must_be_exactly_what_to_dict_writes(key: str, value: Any) -> None:
+    with pytest.raises(sc.InvalidStateError, match=rf"checkpoint\['{key}'\]"):
+        sc.from_dict({**sc.to_dict(sc.init()), key: value})
+
+
+def test_a_torch_state_dict_error_names_its_own_key() -> None:
+    data = sc.to_torch_state_dict(sc.init())
+    with pytest.raises(sc.InvalidStateError, match=r"state_dict\['scale'\]=-1\.0") as info:
+        sc.from_torch_state_dict({**data, "scale": -1.0})
+    assert "init_scale" not in str(info.value)
+    with pytest.raises(sc.InvalidStateError, match=r"state_dict\['backoff_factor'\]"):
+        sc.from_torch_state_dict({**data, "backoff_factor": 1.5})
+
+
+@pytest.mark.parametrize("scale", [65536.3, 0.1])
+def test_a_scale_that_is_not_a_float32_is_refused_like_a_factor(scale: float) -> None:
+    """One rule for every number the float32 state holds: exactly a float32, or refused
+    with the float32 to use (no silent rounding of a scale, as none of a factor)."""
+    nearest = float(np.float32(scale))
+    data = sc.to_dict(sc.init())
+    with pytest.raises(sc.InvalidStateError, match=rf"use {nearest!r}"):
+        sc.from_dict({**data, "state": {**data["state"], "scale": scale}})
+    with pytest.raises(sc.InvalidConfigError, match=rf"use {nearest!r}"):
+        sc.ScalerConfig(init_scale=scale)
+    with pytest.raises(sc.InvalidStateError, match=rf"use {nearest!r}"):
+        sc.from_torch_state_dict({**sc.to_torch_state_dict(sc.init()), "scale": scale})

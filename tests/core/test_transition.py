@@ -20,7 +20,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, ru
 import scaler_core as sc
 from scaler_core._f32 import INT32_MAX
 from scaler_core._state import DATA_FIELDS
-from scaler_core.testing import check_invariants, configs, flag_sequences
+from scaler_core.testing import check_invariants, configs, flag_sequences, states
 
 F32_TINY = float(np.finfo(np.float32).tiny)
 
@@ -307,3 +307,40 @@ def test_device_collapse_is_recorded_and_raised_at_first_host_look() -> None:
             look()
     with pytest.raises(sc.ScaleCollapseError):
         sc.update(dev, False)
+
+
+@given(states(), flag_sequences(max_size=30))
+def test_device_equals_host_from_any_valid_state(state: sc.ScalerState, flags: list[bool]) -> None:
+    """From any state a checkpoint may hold (not only init), as from_dict accepts them."""
+    with np.errstate(all="ignore"):
+        _compare_device_and_host(state, state, flags)
+
+
+def test_a_static_scale_never_touches_the_trackers() -> None:
+    cfg = sc.ScalerConfig(dynamic=False, hysteresis=3, hysteresis_refill="on_clean_step")
+    loaded = sc.from_dict(
+        {
+            **sc.to_dict(sc.init(cfg)),
+            "state": {
+                **sc.to_dict(sc.init(cfg))["state"],
+                "hysteresis_tracker": 1,
+                "growth_tracker": 0,
+            },
+        }
+    )
+    for found in (False, True):
+        host = sc.update(loaded, found)
+        dev = sc.device_update(np, loaded, np.bool_(found))
+        assert host.hysteresis_tracker == 1
+        assert dev.to_host() == host
+
+
+def test_a_backoff_that_rounds_up_to_the_smallest_normal_is_one_on_every_path() -> None:
+    """FLT_MIN * (1 - 2**-24) is a tie that rounds to FLT_MIN itself; a device that
+    flushes subnormals (XLA) must not see a collapse there either."""
+    factor = 1 - 2.0**-24
+    for scale in (F32_TINY, float(np.nextafter(np.float32(F32_TINY), np.float32(1)))):
+        state = sc.init(sc.ScalerConfig(init_scale=scale, backoff_factor=factor))
+        host = sc.update(state, True)
+        dev = sc.device_update(np, state, np.bool_(True))
+        assert dev.to_host() == host

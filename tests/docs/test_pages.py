@@ -410,3 +410,14 @@ def test_a_cupy_block_needs_a_gpu() -> None:
     (block,) = parse_blocks("```python\nimport cupy as cp\n```\n", "docs/cupy.md")
     if not has_gpu():
         assert "a GPU" in missing_requirements(block)
+
+
+def test_every_test_the_guarantees_name_exists() -> None:
+    """docs/guarantees.md names the test behind each promise: each must be there."""
+    text = (DOCS / "guarantees.md").read_text(encoding="utf-8")
+    named = re.findall(r"`(tests/[\w/]+\.py)(?:::(\w+))?`", text)
+    assert len(named) >= 20, named
+    for path, test in named:
+        source = (ROOT / path).read_text(encoding="utf-8")
+        if test:
+            assert re.search(rf"^(def {test}\(|{test} = )", source, flags=re.M), f"{path}::{test}"

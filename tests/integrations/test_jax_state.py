@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -164,3 +165,32 @@ def test_trajectory_equals_jmp_dynamic_loss_scale(
         theirs = theirs.adjust(jnp.asarray(not flag))
         assert float(ours.scale[i]) == float(theirs.loss_scale), f"step {i}"
         assert int(ours.growth_tracker[i]) == int(theirs.counter), f"step {i}"
+
+
+@pytest.mark.parametrize("k", [0, 1, 2])
+@pytest.mark.parametrize("factor", [1 - 2.0**-24, 1 - 2.0**-23, 0.5])
+def test_a_backoff_near_the_smallest_normal_equals_the_host_under_jit(
+    k: int, factor: float
+) -> None:
+    """XLA flushes float32 subnormals to zero: a product that rounds up to FLT_MIN on the
+    host must not be a recorded collapse on the device."""
+    scale = float(np.float32(2.0**-126) + np.float32(k * 2.0**-149))
+    state = sc.init(sc.ScalerConfig(init_scale=scale, backoff_factor=factor))
+    try:
+        host: Any = sc.update(state, True)
+    except sc.ScaleCollapseError:
+        host = None
+    dev = jax.jit(sc.update)(to_device(state), jnp.asarray(True))
+    if host is None:
+        assert int(dev.failure) != 0
+    else:
+        assert int(dev.failure) == 0
+        assert dev.to_host() == host
+
+
+def test_a_static_scale_never_touches_the_trackers_under_jit() -> None:
+    cfg = sc.ScalerConfig(dynamic=False, hysteresis=3, hysteresis_refill="on_clean_step")
+    loaded = dataclasses.replace(sc.init(cfg), hysteresis_tracker=1)
+    dev = jax.jit(sc.update)(to_device(loaded), jnp.asarray(False))
+    assert dev.to_host() == sc.update(loaded, False)
+    assert int(dev.hysteresis_tracker) == 1

@@ -57,6 +57,8 @@ def test_regenerating_the_traces_gives_the_shipped_files(
         shipped, fresh = example_trace(name), load_trace(tmp_path / filename)
         if shipped.found is not None:
             assert fresh.found == shipped.found
+            assert fresh.recorded_with == shipped.recorded_with is not None
+            assert fresh.source == shipped.source
         else:
             assert np.allclose(fresh.max_abs_grad, shipped.max_abs_grad, rtol=1e-4)
 
@@ -219,3 +221,78 @@ def test_cli_errors_are_one_line_with_exit_code_2(
 def test_grad_maxima_marks_the_corrupted_steps() -> None:
     g = grad_maxima(20, seed=3, corrupt=(5, 7))
     assert [i for i, x in enumerate(g) if not np.isfinite(x)] == [5, 6, 7]
+
+
+# ------------------------------------------------ hostile traces: one clear line each
+def _huge_int_json(digits: int) -> str:
+    return '{"max_abs_grad": [1, ' + "9" * digits + "]}"
+
+
+@pytest.mark.parametrize(
+    ("name", "content", "message"),
+    [
+        ("short.csv", b"step,found\n0,1\n1\n2,0\n", "row 3 has 1 cells but the header has 2"),
+        ("long.csv", b"found\n1\n0,1\n", "row 3 has 2 cells but the header has 1"),
+        ("dup.csv", b"found,found\n1,0\n", "repeats the column 'found'"),
+        ("empty-cell.csv", b"step,max_abs_grad\n0,\n", "row 2: max_abs_grad=''"),
+        ("latin1.csv", "found\n1\n# caf\u00e9\n".encode("latin-1"), "is not UTF-8 text"),
+        ("latin1.json", '{"found": [true], "note": "caf\u00e9"}'.encode("latin-1"), "UTF-8"),
+        ("400.json", _huge_int_json(400).encode(), "max_abs_grad[1]: max_abs_grad=an integer of"),
+        ("5000.json", _huge_int_json(5000).encode(), "is not valid JSON"),
+        ("5000-found.json", ('{"found": [' + "1" * 5000 + "]}").encode(), "is not valid JSON"),
+        ("deep.json", b"[" * 100_000 + b"]" * 100_000, "nested too deeply"),
+        ("found-int.json", b'{"found": [1, 2]}', "found[1]: found=2"),
+    ],
+)
+def test_hostile_traces_are_one_clear_error(
+    tmp_path: Path, name: str, content: bytes, message: str
+) -> None:
+    path = tmp_path / name
+    path.write_bytes(content)
+    with pytest.raises(TraceError) as info:
+        load_trace(path)
+    assert message in str(info.value)
+    assert len(str(info.value)) < 500  # never the 5000 digits back
+
+
+def test_a_byte_order_mark_is_not_part_of_the_header(tmp_path: Path) -> None:
+    path = tmp_path / "bom.csv"
+    path.write_bytes("\ufefffound\n1\n0\n".encode())
+    assert load_trace(path).found == (True, False)
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["simulate", "spikes", "--policy", ":x"], "--policy ':x'"),
+        (["simulate", "spikes", "--policy", ".x:y"], "--policy '.x:y'"),
+        (["simulate", "spikes", "--policy", "os:"], "--policy 'os:'"),
+        (["simulate", "spikes", "--plot", "/no/such/folder/p.png"], "does not exist"),
+        (["simulate", "spikes", "--plot", "p.gif.txt"], "--plot 'p.gif.txt'"),
+    ],
+)
+def test_cli_refuses_bad_arguments_before_any_work(
+    argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(argv) == 2
+    captured = capsys.readouterr()
+    assert message in captured.err
+    assert captured.err.count("\n") == 1
+    assert captured.out == "", "the table was printed before the refusal"
+
+
+def test_found_flags_replayed_under_another_policy_say_so(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """The demo trace's flags were recorded at scales near 2**38: replaying them under
+    PyTorch's preset is not what PyTorch would have seen, and the report says so."""
+    trace = example_trace("demo")
+    assert trace.recorded_with is not None
+    assert trace.recorded_with.init_scale == 2.0**40
+    assert main(["simulate", "demo", "--policy", "torch"]) == 0
+    out = capsys.readouterr().out
+    assert "recorded under another policy" in out
+    assert "torch" in out.split("recorded under another policy")[1]
+    report = simulate(trace, {"same": trace.recorded_with, "torch": "torch"})
+    assert report["same"].matches_recording is True
+    assert report["torch"].matches_recording is False

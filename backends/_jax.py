@@ -189,7 +189,7 @@ def require_float32_factors(config: ScalerConfig) -> None:
             ``backoff_factor`` is not exactly a float32; the message gives the
             float32 to use.
     """
-    if jax.config.read("jax_enable_x64"):
+    if jax.config.read("jax_enable_x64"):  # type: ignore[no-untyped-call, unused-ignore]
         return
     for name in ("growth_factor", "backoff_factor"):
         value = getattr(config, name)

@@ -134,8 +134,9 @@ def unscale_buckets(
     found: dict[torch.device, torch.Tensor],
     check_outputs: bool | None,
 ) -> None:
-    """Unscale each (device, dtype) bucket in place; add to ``found[device]`` (float, > 0
-    when a value is NaN or inf after unscaling).
+    """Unscale each (device, dtype) bucket in place; set ``found[device]`` to 1.0 when
+    a value is NaN or inf after unscaling (it stays 0.0 or 1.0, as PyTorch's kernel
+    leaves it: fused optimizers skip only where ``found_inf == 1``).
 
     ``check_outputs``: ``True`` or ``False`` as decided on the host, ``None`` to
     decide on the device (outputs checked, the result masked by ``inv > 1``).
@@ -149,7 +150,10 @@ def unscale_buckets(
                 if check_outputs is False:
                     continue
                 hit = _non_finite(tensors, device).float()
-                flag.add_(hit if check_outputs else hit * (inv_d > 1.0).float())
+                if check_outputs is None:
+                    hit = hit * (inv_d > 1.0).float()
+                # 1.0, never more: fused optimizers skip only where found_inf == 1
+                torch.maximum(flag, hit, out=flag)
 
 
 def _non_finite(tensors: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:

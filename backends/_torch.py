@@ -43,6 +43,7 @@ __all__ = [
     "LEAVES",
     "TorchBackend",
     "TorchNamespace",
+    "flag_unscale_overflow",
     "inverse_scale",
     "unscale_buckets",
 ]
@@ -153,6 +154,33 @@ def unscale_buckets(
                 if check_outputs is None:
                     hit = hit * (inv_d > 1.0).float()
                 # 1.0, never more: fused optimizers skip only where found_inf == 1
+                torch.maximum(flag, hit, out=flag)
+
+
+def flag_unscale_overflow(
+    buckets: dict[torch.device, dict[torch.dtype, list[torch.Tensor]]],
+    inv: torch.Tensor,
+    found: dict[torch.device, torch.Tensor],
+) -> None:
+    """Set ``found[device]`` to 1.0 where unscaling by ``inv`` *would* overflow a bucket.
+
+    For a fused optimizer, which unscales inside its own kernel: nothing is
+    written to the gradients. A value is flagged when ``|g| * inv`` (in float64)
+    exceeds the dtype's largest finite value, a hair more cautious than rounding
+    (a value within half an ulp of the maximum rounds to it, and is flagged).
+    Only an inverse above 1 can overflow; ``inv`` is a 0-d tensor, masked on the
+    device, never read back.
+    """
+    with torch.no_grad():
+        for device, by_dtype in buckets.items():
+            inv_d = inv.to(device, dtype=torch.float64, non_blocking=True)
+            flag = found[device]
+            for dtype, tensors in by_dtype.items():
+                if not tensors:
+                    continue
+                norms = torch._foreach_norm(list(tensors), math.inf)
+                biggest = torch.stack([n.double() for n in norms]).max()
+                hit = ((biggest * inv_d > torch.finfo(dtype).max) & (inv_d > 1.0)).float()
                 torch.maximum(flag, hit, out=flag)
 
 

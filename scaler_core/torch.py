@@ -37,7 +37,7 @@ from ._errors import InvalidArgumentError
 from ._f32 import f32
 from ._serialize import from_dict, from_torch_state_dict, to_dict
 from ._state import DATA_FIELDS, ScalerState, device_update, host_update, init
-from .backends._torch import TorchNamespace, unscale_buckets
+from .backends._torch import TorchNamespace, flag_unscale_overflow, unscale_buckets
 
 __all__ = ["GradScaler"]
 
@@ -106,6 +106,7 @@ class GradScaler(torch.amp.GradScaler):
             device, init_scale, growth_factor, backoff_factor, growth_interval, enabled
         )
         self._process_group = process_group
+        self._fused_check = False
         self._stepped: dict[int, Any] = {}
         self._extra: dict[str, torch.Tensor] | None = None
         self._config: ScalerConfig | None = config
@@ -218,17 +219,33 @@ class GradScaler(torch.amp.GradScaler):
                     buckets[to_unscale.device][to_unscale.dtype].append(to_unscale)
         found = {dev: found_inf.to(dev, copy=True, non_blocking=True) for dev in buckets}
         unscale_buckets(buckets, inv_scale, found, self._check_outputs(inv_scale))
+        if self._fused_check and self._may_fall_below_one():
+            # A fused optimizer unscales in its kernel: flag what that would overflow.
+            scale = cast(torch.Tensor, self._scale)
+            flag_unscale_overflow(buckets, scale.double().reciprocal(), found)
         self._reduce(found)
         return found
 
+    def _check_inf_per_device(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        # PyTorch checks a fused optimizer's gradients with a dummy inverse of 1, so
+        # the unscale the optimizer itself does below a scale of 1 goes unchecked.
+        self._fused_check = True
+        try:
+            return super()._check_inf_per_device(optimizer)
+        finally:
+            self._fused_check = False
+
     def _check_outputs(self, inv_scale: torch.Tensor) -> bool | None:
         """Whether the unscaled values need their own check (the scale may be below 1)."""
-        floor = self._enabled_config().min_scale
-        if floor is not None and floor >= 1.0:
+        if not self._may_fall_below_one():
             return False
         if inv_scale.device.type == "cpu":  # reading it costs nothing
             return bool(inv_scale.item() > 1.0)
         return None  # decided on the device, without a synchronisation
+
+    def _may_fall_below_one(self) -> bool:
+        floor = self._enabled_config().min_scale
+        return floor is None or floor < 1.0
 
     def _reduce(self, found: dict[torch.device, torch.Tensor]) -> None:
         """OR the flags over the process group: one all-reduce (max) per device."""

@@ -34,7 +34,7 @@ from torch.amp.grad_scaler import _refresh_per_optimizer_state
 
 from ._config import ScalerConfig
 from ._errors import InvalidArgumentError
-from ._f32 import f32
+from ._f32 import f32, is_normal_f32
 from ._serialize import from_dict, from_torch_state_dict, to_dict
 from ._state import DATA_FIELDS, ScalerState, device_update, host_update, init
 from .backends._torch import TorchNamespace, flag_unscale_overflow, unscale_buckets
@@ -295,7 +295,7 @@ class GradScaler(torch.amp.GradScaler):
             return
         _scale, _growth_tracker = self._check_scale_growth_tracker("update")
         if new_scale is not None:
-            super().update(new_scale)
+            super().update(self._new_scale(new_scale))
             return
         found_infs = [
             found_inf.to(device=_scale.device, non_blocking=True)
@@ -315,6 +315,24 @@ class GradScaler(torch.amp.GradScaler):
             for name in DATA_FIELDS:
                 self._field(name).copy_(getattr(new, name))
         self._per_optimizer_states = defaultdict(_refresh_per_optimizer_state)
+
+    def _new_scale(self, new_scale: float | torch.Tensor) -> float | torch.Tensor:
+        """``new_scale`` checked as far as the host can see it: a positive normal float32
+        (a tensor on an accelerator is taken as PyTorch takes it, unread)."""
+        if isinstance(new_scale, torch.Tensor):
+            if new_scale.device.type != "cpu" or new_scale.numel() != 1:
+                return new_scale  # PyTorch's own checks answer
+            value: Any = new_scale.item()
+        elif isinstance(new_scale, int) and not isinstance(new_scale, bool):
+            value = new_scale = float(new_scale)
+        else:
+            value = new_scale
+        if not isinstance(value, float) or not is_normal_f32(value):
+            raise InvalidArgumentError(
+                f"new_scale={value!r}, but it must be a positive, finite, normal float32 "
+                f"value (as every scale); pass a float such as 1024.0"
+            )
+        return new_scale
 
     def _field(self, name: str) -> torch.Tensor:
         if name == "scale":

@@ -446,3 +446,16 @@ def test_found_inf_stays_one_when_both_checks_find_it() -> None:
     scaler.unscale_(opt)
     found = scaler._per_optimizer_states[id(opt)]["found_inf_per_device"]
     assert [f.item() for f in found.values()] == [1.0]
+
+
+@pytest.mark.parametrize("bad", [0.0, float("inf"), float("nan"), -2.0, 1e-45, "8"])
+def test_a_new_scale_that_is_no_scale_is_refused(bad: Any) -> None:
+    """PyTorch's class takes update(0.0) and trains on with a zero scale."""
+    scaler, (model, opt) = GradScaler("cpu", init_scale=8.0), _model()
+    _backward(scaler, model)
+    scaler.step(opt)
+    with pytest.raises(sc.InvalidArgumentError, match=r"new_scale=.*normal float32"):
+        scaler.update(bad)
+    assert scaler.get_scale() == 8.0
+    scaler.update(1024)  # an int is a scale too (PyTorch's class fails on it)
+    assert scaler.get_scale() == 1024.0

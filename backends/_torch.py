@@ -5,6 +5,10 @@ float32 or float64, dense or sparse), then the tensors are bucketed by (device,
 dtype) and each bucket goes through PyTorch's own fused kernel,
 ``torch._amp_foreach_non_finite_check_and_unscale_`` (one dispatch for the whole
 bucket; on CPU it takes all four dtypes and rounds half types as the rules do).
+Where that kernel does not serve (bfloat16 on CUDA, devices other than CPU and
+CUDA) ``torch._foreach_mul_`` by the same float32 inverse does, with every output
+checked: the same product, rounded once, and the same flag (see
+:func:`kernel_takes`; a test runs both routes on the CPU and compares bits).
 
 That kernel checks its *input*. The rules check the *unscaled* values, which is
 the same unless the scale is below 1 (an inverse above 1 can turn a finite value
@@ -45,6 +49,7 @@ __all__ = [
     "TorchNamespace",
     "flag_unscale_overflow",
     "inverse_scale",
+    "kernel_takes",
     "unscale_buckets",
 ]
 
@@ -129,6 +134,18 @@ def _on(inv: torch.Tensor | float, device: torch.device) -> torch.Tensor:
     return torch.full((), inv, dtype=torch.float32, device=device)
 
 
+def kernel_takes(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether PyTorch's fused unscale kernel serves ``dtype`` on ``device``.
+
+    On CPU it takes all four dtypes; on CUDA all but bfloat16. Elsewhere (and for
+    bfloat16 on CUDA) ``torch._foreach_mul_`` by the same float32 inverse serves,
+    with every output checked: the same product, rounded once, the same flag.
+    """
+    if device.type == "cpu":
+        return True
+    return device.type == "cuda" and dtype is not torch.bfloat16
+
+
 def unscale_buckets(
     buckets: dict[torch.device, dict[torch.dtype, list[torch.Tensor]]],
     inv: torch.Tensor | float,
@@ -146,7 +163,12 @@ def unscale_buckets(
         for device, by_dtype in buckets.items():
             inv_d = _on(inv, device)
             flag = found[device]
-            for tensors in by_dtype.values():
+            for dtype, tensors in by_dtype.items():
+                if not kernel_takes(device, dtype):
+                    # The same product, rounded once, and every output checked.
+                    torch._foreach_mul_(tensors, inv_d)
+                    torch.maximum(flag, _non_finite(tensors, device).float(), out=flag)
+                    continue
                 torch._amp_foreach_non_finite_check_and_unscale_(tensors, flag, inv_d)
                 if check_outputs is False:
                     continue
@@ -189,7 +211,8 @@ def _non_finite(tensors: Sequence[torch.Tensor], device: torch.device) -> torch.
     if not tensors:
         return torch.zeros((), dtype=torch.bool, device=device)
     norms = torch._foreach_norm(list(tensors), math.inf)  # max |x|: NaN or inf propagate
-    return ~torch.isfinite(torch.stack([n.float() for n in norms])).all()
+    # Each norm tested in its own dtype: a float64 norm cast to float32 could overflow.
+    return ~torch.stack([torch.isfinite(n) for n in norms]).all()
 
 
 def _buckets(

@@ -8,6 +8,7 @@ from __future__ import annotations
 import subprocess
 import sys
 import warnings
+from typing import Any
 
 import numpy as np
 import pytest
@@ -112,3 +113,42 @@ def test_import_scaler_core_never_imports_torch() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+@pytest.mark.parametrize(
+    "dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64], ids=str
+)
+@pytest.mark.parametrize("scale", [2.0**-7, 0.75, 1.0, 3.0, 2.0**24])
+def test_the_route_for_devices_without_the_kernel_gives_the_kernels_bits(
+    monkeypatch: pytest.MonkeyPatch, dtype: Any, scale: float
+) -> None:
+    """bfloat16 on CUDA (and other devices) unscales by _foreach_mul_: run it on the CPU."""
+    from scaler_core.backends import _torch
+
+    gen = torch.Generator().manual_seed(7)
+    base = [(torch.randn(257, generator=gen) * 10.0 ** float(e)).to(dtype) for e in (-6, 0, 3, 30)]
+    base.append(torch.tensor([1.0, float("nan"), -float("inf")]).to(dtype))
+    big = float(torch.finfo(dtype).max) / 2  # overflows below a scale of 1
+    base.append(torch.full((4,), big, dtype=dtype))
+    for picks in ([0, 1, 2], [0, 3], [4], [5], list(range(6))):
+        grads = {
+            "kernel": [base[i].clone() for i in picks],
+            "mul": [base[i].clone() for i in picks],
+        }
+        _, found_kernel = BACKEND.unscale(grads["kernel"], scale)
+        monkeypatch.setattr(_torch, "kernel_takes", lambda device, dtype: False)
+        _, found_mul = BACKEND.unscale(grads["mul"], scale)
+        monkeypatch.undo()
+        assert bool(found_kernel) == bool(found_mul), picks
+        for a, b in zip(grads["kernel"], grads["mul"], strict=True):
+            assert torch.equal(a.view(torch.uint8), b.view(torch.uint8)), picks
+
+
+def test_float64_values_beyond_float32s_range_are_finite() -> None:
+    """The check reads each norm in its own dtype (a float32 cast made 1e300 inf)."""
+    big = torch.tensor([1e300, -1e300], dtype=torch.float64)
+    assert not bool(BACKEND.find_non_finite([big]))
+    _, found = BACKEND.unscale([big.clone()], 0.5)  # below 1: the outputs are checked
+    assert not bool(found)
+    _, found = BACKEND.unscale([big.clone()], 2.0**-100)  # 1e300 * 2**100 is inf in float64
+    assert bool(found)

@@ -106,6 +106,7 @@ class GradScaler(torch.amp.GradScaler):
             device, init_scale, growth_factor, backoff_factor, growth_interval, enabled
         )
         self._process_group = process_group
+        self._mirror: ScalerState | None = None  # a CPU scaler's state at its last update
         self._fused_check = False
         self._stepped: dict[int, Any] = {}
         self._extra: dict[str, torch.Tensor] | None = None
@@ -206,17 +207,16 @@ class GradScaler(torch.amp.GradScaler):
                         raise AssertionError(
                             f"expected param to be torch.Tensor, got {type(param).__name__}"
                         )
-                    if param.grad is None:
+                    grad = param.grad
+                    if grad is None:
                         continue
-                    if (not allow_fp16) and param.grad.dtype == torch.float16:
+                    if (not allow_fp16) and grad.dtype == torch.float16:
                         raise ValueError("Attempting to unscale FP16 gradients.")
-                    if param.grad.is_sparse:
-                        if param.grad.dtype is torch.float16:
-                            param.grad = param.grad.coalesce()
-                        to_unscale = param.grad._values()
-                    else:
-                        to_unscale = param.grad
-                    buckets[to_unscale.device][to_unscale.dtype].append(to_unscale)
+                    if grad.is_sparse:
+                        if grad.dtype is torch.float16:
+                            param.grad = grad = grad.coalesce()
+                        grad = grad._values()
+                    buckets[grad.device][grad.dtype].append(grad)
         found = {dev: found_inf.to(dev, copy=True, non_blocking=True) for dev in buckets}
         unscale_buckets(buckets, inv_scale, found, self._check_outputs(inv_scale))
         if self._fused_check and self._may_fall_below_one():
@@ -304,17 +304,34 @@ class GradScaler(torch.amp.GradScaler):
         ]
         if len(found_infs) == 0:
             raise AssertionError("No inf checks were recorded prior to update.")
-        found = torch.stack(found_infs).sum() > 0
-        current = self._device_state()
         if _scale.device.type == "cpu":  # host values cost nothing to read here
-            new = host_update(current.to_host(), bool(found))
+            current = self._host_state()
+            new = host_update(current, any(f.item() for f in found_infs))
             for name in DATA_FIELDS:
-                self._field(name).fill_(getattr(new, name))
+                value = getattr(new, name)
+                if value != getattr(current, name):
+                    self._field(name).fill_(value)
+            self._mirror = new
         else:
-            new = device_update(TorchNamespace(_scale.device), current, found)
+            found = torch.stack(found_infs).sum() > 0
+            new = device_update(TorchNamespace(_scale.device), self._device_state(), found)
             for name in DATA_FIELDS:
                 self._field(name).copy_(getattr(new, name))
         self._per_optimizer_states = defaultdict(_refresh_per_optimizer_state)
+
+    def _host_state(self) -> ScalerState:
+        """The state of a CPU scaler: the copy kept at the last update, while the two
+        tensors PyTorch exposes (``_scale``, ``_growth_tracker``) still hold its values
+        (code that writes them directly is seen), else read from the tensors."""
+        mirror = self._mirror
+        scale, tracker = cast(torch.Tensor, self._scale), cast(torch.Tensor, self._growth_tracker)
+        if (
+            mirror is not None
+            and scale.item() == mirror.scale
+            and tracker.item() == mirror.growth_tracker
+        ):
+            return mirror
+        return self._device_state().to_host()
 
     def _new_scale(self, new_scale: float | torch.Tensor) -> float | torch.Tensor:
         """``new_scale`` checked as far as the host can see it: a positive normal float32
@@ -416,6 +433,7 @@ class GradScaler(torch.amp.GradScaler):
         self._backoff_factor = state.config.backoff_factor
         self._growth_interval = state.config.growth_interval
         self._init_growth_tracker = state.growth_tracker
+        self._mirror = None
         if self._scale is not None and self._extra is not None:
             for name in DATA_FIELDS:
                 self._field(name).fill_(getattr(state, name))
@@ -426,6 +444,7 @@ class GradScaler(torch.amp.GradScaler):
             out["_start"] = self.state
             out["_init_scale"] = out["_start"].scale
             out["_extra"] = None
+        out["_mirror"] = None
         out["_process_group"] = None  # a process group cannot be pickled: pass it again
         out["_stepped"] = {}
         return out

@@ -10,11 +10,14 @@ Two measurements, contenders interleaved (A B A B ...), medians of ``--reps``:
   (124M float32 values), beside the machine's bound for that pass: PyTorch's
   ``_foreach_mul_`` by the same inverse (one read and one write of every value,
   no check at all), which no unscale that writes its result can beat.
+* ``route`` (CPU only): the torch backend's choice of route, PyTorch's kernel
+  against NumPy's fused path through zero-copy views, fresh each step (what a
+  drop-in sees: ``zero_grad()`` re-allocates gradients) or kept (a plan-cache hit).
 
 Usage::
 
     python benchmarks/bench_torch.py [--small] [--device cpu|cuda] [--reps 31]
-        [--cycle-reps 501] [--only cycle,unscale] [--json out.json]
+        [--cycle-reps 501] [--only cycle,unscale,route] [--json out.json]
 
 ``--small`` shrinks GPT-2's shapes (a quick check that the script runs, not a
 measurement). Run it with nothing else busy.
@@ -145,14 +148,52 @@ def bench_unscale(device: str, reps: int, warmup: int, small: bool) -> dict[str,
     return out
 
 
-def _summary(name: str, what: str, times: dict[str, list[float]]) -> dict[str, Any]:
+def bench_route(reps: int, warmup: int, small: bool) -> dict[str, Any]:
+    """The CPU route of the torch backend: PyTorch's kernel, or NumPy's fused path
+    through zero-copy views (``t.numpy()``), made fresh each step as a drop-in must
+    (``zero_grad()`` re-allocates gradients) or reused (a plan-cache hit)."""
+    import scaler_core as sc  # noqa: PLC0415
+
+    torch_backend, numpy_backend = sc.get_backend("torch"), sc.get_backend("numpy")
+    rows: dict[str, Any] = {}
+    for label, shapes in (
+        ("200", [(64, 64), (64,)] * 100),
+        ("gpt2", gpt2_small_shapes(small)),
+    ):
+        gen = torch.Generator().manual_seed(2)
+        src = [torch.randn(shape, generator=gen) for shape in shapes]
+        kept = [t.numpy() for t in src]
+        calls: dict[str, Callable[[], Any]] = {
+            "torch_kernel": lambda src=src: torch_backend.unscale(src, 1.0)[1],
+            "numpy_fresh_views": lambda src=src: numpy_backend.unscale(
+                [t.numpy() for t in src], 1.0
+            )[1],
+            "numpy_kept_views": lambda kept=kept: numpy_backend.unscale(kept, 1.0)[1],
+        }
+        times: dict[str, list[float]] = {f"{label}:{k}": [] for k in calls}
+        for rep in range(warmup + reps):
+            for name, call in calls.items():
+                t0 = time.perf_counter()
+                bool(call())
+                if rep >= warmup:
+                    times[f"{label}:{name}"].append(time.perf_counter() - t0)
+        part = _summary("route", "", times, base=f"{label}:torch_kernel")
+        rows.update(part["rows"])
+    path = numpy_backend.path  # type: ignore[attr-defined]
+    what = f"torch backend on CPU: 200 small tensors and GPT-2 small (NumPy path: {path})"
+    return {"bench": "route", "what": what, "rows": rows}
+
+
+def _summary(
+    name: str, what: str, times: dict[str, list[float]], base: str = "pytorch"
+) -> dict[str, Any]:
     rows = {
         k: {"median_s": statistics.median(v), "min_s": min(v), "reps": len(v)}
         for k, v in times.items()
     }
-    base = rows["pytorch"]["median_s"]
+    base_s = rows[base]["median_s"]
     for row in rows.values():
-        row["vs_pytorch"] = round(row["median_s"] / base, 3)
+        row["vs_pytorch"] = round(row["median_s"] / base_s, 3)
     return {"bench": name, "what": what, "rows": rows}
 
 
@@ -165,12 +206,14 @@ def main(argv: list[str] | None = None) -> int:
         "--cycle-reps", type=int, default=501, help="timed reps of the cycle (sub-ms: many)"
     )
     ap.add_argument("--warmup", type=int, default=5)
-    ap.add_argument("--only", default="cycle,unscale", help="comma-separated: cycle,unscale")
+    ap.add_argument(
+        "--only", default="cycle,unscale,route", help="comma-separated: cycle,unscale,route"
+    )
     ap.add_argument("--json", help="write the results here")
     args = ap.parse_args(argv)
     only = set(args.only.split(","))
-    if not only <= {"cycle", "unscale"}:
-        ap.error(f"--only={args.only!r}: it takes cycle and/or unscale, comma-separated")
+    if not only <= {"cycle", "unscale", "route"}:
+        ap.error(f"--only={args.only!r}: it takes cycle, unscale and route, comma-separated")
     if min(args.reps, args.cycle_reps) < 1 or args.warmup < 0:
         ap.error("--reps and --cycle-reps must be at least 1, --warmup at least 0")
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -180,12 +223,14 @@ def main(argv: list[str] | None = None) -> int:
         results.append(bench_cycle(args.device, args.cycle_reps, args.warmup))
     if "unscale" in only:
         results.append(bench_unscale(args.device, args.reps, args.warmup, args.small))
+    if "route" in only and args.device == "cpu":
+        results.append(bench_route(args.reps, args.warmup, args.small))
     for res in results:
         print(f"{res['bench']}: {res['what']} ({args.device})")
         for name, row in res["rows"].items():
             extra = f"  {row['GiB_per_s']:7.2f} GiB/s" if "GiB_per_s" in row else ""
             print(
-                f"  {name:<18} median {row['median_s'] * 1e3:9.3f} ms"
+                f"  {name:<24} median {row['median_s'] * 1e3:9.3f} ms"
                 f"  x{row['vs_pytorch']:<6}{extra}"
             )
     if args.json:

@@ -298,7 +298,7 @@ class GradScaler(torch.amp.GradScaler):
             super().update(self._new_scale(new_scale))
             return
         found_infs = [
-            found_inf.to(device=_scale.device, non_blocking=True)
+            found_inf
             for state in self._per_optimizer_states.values()
             for found_inf in state["found_inf_per_device"].values()
         ]
@@ -313,7 +313,8 @@ class GradScaler(torch.amp.GradScaler):
                     self._field(name).fill_(value)
             self._mirror = new
         else:
-            found = torch.stack(found_infs).sum() > 0
+            found = torch.stack([f.to(_scale.device, non_blocking=True) for f in found_infs])
+            found = found.sum() > 0
             new = device_update(TorchNamespace(_scale.device), self._device_state(), found)
             for name in DATA_FIELDS:
                 self._field(name).copy_(getattr(new, name))

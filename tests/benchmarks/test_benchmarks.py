@@ -132,12 +132,17 @@ def test_torch_bench_runs_both_measurements_and_writes_its_json(tmp_path: Path) 
     )
     assert run.returncode == 0, run.stderr
     report = json.loads(out.read_text())
-    cycle, unscale = report["results"]
+    cycle, unscale, route = report["results"]
     assert set(cycle["rows"]) == {"pytorch", "scaler_core"}
     assert cycle["rows"]["scaler_core"]["reps"] == 3
     assert set(unscale["rows"]) == {"pytorch", "scaler_core", "bound_foreach_mul"}
     assert unscale["rows"]["pytorch"]["vs_pytorch"] == 1.0
     assert all(row["GiB_per_s"] > 0 for row in unscale["rows"].values())
+    assert {k.split(":")[1] for k in route["rows"]} == {
+        "torch_kernel",
+        "numpy_fresh_views",
+        "numpy_kept_views",
+    }
 
 
 def test_torch_bench_rejects_an_unknown_measurement() -> None:

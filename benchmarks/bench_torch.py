@@ -10,9 +10,10 @@ Two measurements, contenders interleaved (A B A B ...), medians of ``--reps``:
   (124M float32 values), beside the machine's bound for that pass: PyTorch's
   ``_foreach_mul_`` by the same inverse (one read and one write of every value,
   no check at all), which no unscale that writes its result can beat.
-* ``route`` (CPU only): the torch backend's choice of route, PyTorch's kernel
-  against NumPy's fused path through zero-copy views, fresh each step (what a
-  drop-in sees: ``zero_grad()`` re-allocates gradients) or kept (a plan-cache hit).
+* ``route``: the torch backend's choice of route, PyTorch's kernel against
+  NumPy's fused path (on CUDA: the CuPy kernel) through zero-copy views, fresh
+  each step (what a drop-in sees: ``zero_grad()`` re-allocates gradients) or
+  kept (a plan-cache hit).
 
 Usage::
 
@@ -148,39 +149,46 @@ def bench_unscale(device: str, reps: int, warmup: int, small: bool) -> dict[str,
     return out
 
 
-def bench_route(reps: int, warmup: int, small: bool) -> dict[str, Any]:
-    """The CPU route of the torch backend: PyTorch's kernel, or NumPy's fused path
+def bench_route(device: str, reps: int, warmup: int, small: bool) -> dict[str, Any]:
+    """The torch backend's route. On the CPU: PyTorch's kernel, or NumPy's fused path
     through zero-copy views (``t.numpy()``), made fresh each step as a drop-in must
-    (``zero_grad()`` re-allocates gradients) or reused (a plan-cache hit)."""
+    (``zero_grad()`` re-allocates gradients) or reused (a plan-cache hit). On CUDA:
+    PyTorch's kernel, or the CuPy kernel through DLPack views (fresh and kept)."""
     import scaler_core as sc  # noqa: PLC0415
 
-    torch_backend, numpy_backend = sc.get_backend("torch"), sc.get_backend("numpy")
+    torch_backend = sc.get_backend("torch")
+    if device == "cuda":
+        import cupy  # noqa: PLC0415
+
+        other, view, other_name = sc.get_backend("cupy"), cupy.from_dlpack, "cupy"
+    else:
+        other, view, other_name = sc.get_backend("numpy"), torch.Tensor.numpy, "numpy"
     rows: dict[str, Any] = {}
     for label, shapes in (
         ("200", [(64, 64), (64,)] * 100),
         ("gpt2", gpt2_small_shapes(small)),
     ):
         gen = torch.Generator().manual_seed(2)
-        src = [torch.randn(shape, generator=gen) for shape in shapes]
-        kept = [t.numpy() for t in src]
+        src = [torch.randn(shape, generator=gen).to(device) for shape in shapes]
+        kept = [view(t) for t in src]
         calls: dict[str, Callable[[], Any]] = {
             "torch_kernel": lambda src=src: torch_backend.unscale(src, 1.0)[1],
-            "numpy_fresh_views": lambda src=src: numpy_backend.unscale(
-                [t.numpy() for t in src], 1.0
-            )[1],
-            "numpy_kept_views": lambda kept=kept: numpy_backend.unscale(kept, 1.0)[1],
+            f"{other_name}_fresh_views": lambda src=src: other.unscale([view(t) for t in src], 1.0)[
+                1
+            ],
+            f"{other_name}_kept_views": lambda kept=kept: other.unscale(kept, 1.0)[1],
         }
         times: dict[str, list[float]] = {f"{label}:{k}": [] for k in calls}
         for rep in range(warmup + reps):
             for name, call in calls.items():
                 t0 = time.perf_counter()
-                bool(call())
+                bool(call())  # reads the flag: waits for the device
                 if rep >= warmup:
                     times[f"{label}:{name}"].append(time.perf_counter() - t0)
         part = _summary("route", "", times, base=f"{label}:torch_kernel")
         rows.update(part["rows"])
-    path = numpy_backend.path  # type: ignore[attr-defined]
-    what = f"torch backend on CPU: 200 small tensors and GPT-2 small (NumPy path: {path})"
+    path = getattr(other, "path", other_name)
+    what = f"torch backend on {device}: 200 small tensors and GPT-2 small ({other_name}: {path})"
     return {"bench": "route", "what": what, "rows": rows}
 
 
@@ -223,8 +231,8 @@ def main(argv: list[str] | None = None) -> int:
         results.append(bench_cycle(args.device, args.cycle_reps, args.warmup))
     if "unscale" in only:
         results.append(bench_unscale(args.device, args.reps, args.warmup, args.small))
-    if "route" in only and args.device == "cpu":
-        results.append(bench_route(args.reps, args.warmup, args.small))
+    if "route" in only:
+        results.append(bench_route(args.device, args.reps, args.warmup, args.small))
     for res in results:
         print(f"{res['bench']}: {res['what']} ({args.device})")
         for name, row in res["rows"].items():

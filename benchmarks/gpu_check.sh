@@ -154,6 +154,11 @@ stage bench-gpt2-small 120 - "$PY" -P benchmarks/bench_gpu.py --sets gpt2-small 
 stage bench-2000x1024 60 - "$PY" -P benchmarks/bench_gpu.py --sets 2000x1024 --no-jax \
     --json "$OUT/bench_gpu-2000x1024.json" || OK=0
 
+# The PyTorch drop-in against PyTorch's class, and the torch backend's route (PyTorch's kernel
+# against CuPy's through DLPack); printed into gpu_check.log only.
+stage bench-torch-cuda 90 - "$PY" -P benchmarks/bench_torch.py --device cuda --reps 15 \
+    --cycle-reps 101 || OK=0
+
 # ------------------------------------------------------------------ JAX tests
 mapfile -t jax_tests < <(ls tests/*/test_jax*.py tests/integrations/test_optax.py 2>/dev/null)
 if ((${#jax_tests[@]})); then

@@ -204,14 +204,14 @@ class GradScaler(torch.amp.GradScaler):
             for group in optimizer.param_groups:
                 for param in group["params"]:
                     if not isinstance(param, torch.Tensor):
-                        raise AssertionError(
+                        raise AssertionError(  # PyTorch's error
                             f"expected param to be torch.Tensor, got {type(param).__name__}"
                         )
                     grad = param.grad
                     if grad is None:
                         continue
                     if (not allow_fp16) and grad.dtype == torch.float16:
-                        raise ValueError("Attempting to unscale FP16 gradients.")
+                        raise ValueError("Attempting to unscale FP16 gradients.")  # PyTorch's error
                     if grad.is_sparse:
                         if grad.dtype is torch.float16:
                             param.grad = grad = grad.coalesce()
@@ -303,7 +303,7 @@ class GradScaler(torch.amp.GradScaler):
             for found_inf in state["found_inf_per_device"].values()
         ]
         if len(found_infs) == 0:
-            raise AssertionError("No inf checks were recorded prior to update.")
+            raise AssertionError("No inf checks were recorded prior to update.")  # PyTorch's error
         if _scale.device.type == "cpu":  # host values cost nothing to read here
             current = self._host_state()
             new = host_update(current, any(f.item() for f in found_infs))
@@ -415,7 +415,7 @@ class GradScaler(torch.amp.GradScaler):
         if not self._enabled:
             return
         if len(state_dict) == 0:
-            raise RuntimeError(
+            raise RuntimeError(  # PyTorch's error
                 "The source state dict is empty, possibly because it was saved "
                 "from a disabled instance of GradScaler."
             )

@@ -9,6 +9,7 @@ and ``select`` refuses mismatched trees alike (the tree walk itself is
 from __future__ import annotations
 
 import numbers
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -84,6 +85,9 @@ class LeafKind:
             listed is refused (its arithmetic, or a mask, would differ between
             paths), with ``subclass_hint`` saying how to pass its data instead.
         subclass_hint: What to pass instead of a refused subclass.
+        numpy_dtype: For a library whose dtypes are not NumPy's (torch), the
+            NumPy dtype of a leaf's dtype, or ``None`` for one with none.
+        cast: How to cast a leaf to float32, for the message.
     """
 
     backend: str
@@ -93,6 +97,8 @@ class LeafKind:
     convert: str
     exact: tuple[type, ...] = ()
     subclass_hint: str = ""
+    numpy_dtype: Callable[[Any], np.dtype[Any] | None] | None = None
+    cast: str = ""
 
     def check(self, path: str, leaf: object) -> None:
         """Raise if ``leaf`` is not an array of this library with an accepted dtype.
@@ -115,10 +121,12 @@ class LeafKind:
                 f"arithmetic or its mask would not be a plain array's); {self.subclass_hint}"
             )
         dtype = leaf.dtype  # type: ignore[attr-defined]
-        if np.dtype(dtype) not in FLOAT_DTYPES:
+        known = np.dtype(dtype) if self.numpy_dtype is None else self.numpy_dtype(dtype)
+        if known is None or known not in FLOAT_DTYPES:
+            cast = self.cast or f".astype({self.module}.float32)"
             raise GradientTypeError(
                 f"{path} has dtype {dtype}, but gradients must be {ACCEPTED}; cast it with "
-                f".astype({self.module}.float32) or leave it out of the tree"
+                f"{cast} or leave it out of the tree"
             )
 
 

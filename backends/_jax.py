@@ -26,18 +26,33 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from scaler_core._errors import GradientTypeError, GradientValueError, InvalidArgumentError
-from scaler_core._f32 import FLT_MIN
+from scaler_core._config import ScalerConfig
+from scaler_core._errors import (
+    GradientTypeError,
+    GradientValueError,
+    InvalidArgumentError,
+    InvalidConfigError,
+)
+from scaler_core._f32 import FLT_MIN, f32, is_f32_exact
 from scaler_core._state import (
     ScalerState,
     convert_fields,
     device_update,
     register_pytree,
+    require_state,
 )
 
 from ._common import HALF_DTYPES, LeafKind, check_select_pair, flag_error, host_flag, inv_scale_of
 
-__all__ = ["BACKEND", "LEAVES", "JaxBackend", "jax_leaves", "non_finite", "to_device"]
+__all__ = [
+    "BACKEND",
+    "LEAVES",
+    "JaxBackend",
+    "jax_leaves",
+    "non_finite",
+    "require_float32_factors",
+    "to_device",
+]
 
 register_pytree()
 
@@ -166,6 +181,26 @@ def _flag(found: Any, what: str = "found") -> jax.Array:
     raise flag_error(what, repr(found))
 
 
+def require_float32_factors(config: ScalerConfig) -> None:
+    """Refuse a factor float32 cannot hold when JAX has no float64 to multiply it in.
+
+    Raises:
+        InvalidConfigError: Without ``jax_enable_x64``, ``growth_factor`` or
+            ``backoff_factor`` is not exactly a float32; the message gives the
+            float32 to use.
+    """
+    if jax.config.read("jax_enable_x64"):  # type: ignore[no-untyped-call, unused-ignore]
+        return
+    for name in ("growth_factor", "backoff_factor"):
+        value = getattr(config, name)
+        if not is_f32_exact(value):
+            raise InvalidConfigError(
+                f"{name}={value!r}, but it must be exactly representable in float32 so every "
+                f"backend rounds alike; use {f32(value)!r} (or enable float64 in JAX with "
+                f"jax.config.update('jax_enable_x64', True))"
+            )
+
+
 def to_device(state: ScalerState) -> ScalerState:
     """``state`` with a 0-d float32 scale and 0-d int32 counters (JAX arrays).
 
@@ -264,7 +299,12 @@ class JaxBackend:
 
         A failing step records ``state.failure`` instead of raising; the first
         host-side look (``check``, ``current_scale``, ``to_dict``) raises it.
+
+        Raises:
+            InvalidConfigError: A factor is not exactly a float32 and JAX runs
+                without ``jax_enable_x64`` (it cannot form the float64 product).
         """
+        require_float32_factors(require_state(state).config)
         return device_update(jnp, state, _flag(found, "found_non_finite"))
 
 

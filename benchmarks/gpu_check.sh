@@ -12,7 +12,8 @@
 # run under 8 minutes. Written under OUTDIR:
 #     gpu_check.log            everything printed
 #     env.txt                  GPU, driver and library versions
-#     pytest-cupy.{log,xml}    CuPy backend tests (and the docs pages' CuPy examples) on the GPU
+#     pytest-cupy.{log,xml}    CuPy backend tests, the docs pages' CuPy examples and the torch
+#                              drop-in's CUDA tests, on the GPU
 #     pytest-jax.{log,xml}     JAX backend tests on the GPU
 #     bench_gpu-SET.json       benchmark results per set
 #     summary.json             stage results, test counts, benchmark goals
@@ -134,12 +135,14 @@ OK=$INSTALLED
 # rather than turned into errors (CI on the CPU keeps them errors): a third-party deprecation
 # must not void this one-shot run.
 PYTEST=("$PY" -P -m pytest -p no:cacheprovider -rs -v -W default)
-# The GPU tests, the CuPy rows of the backend contract suite (every check on the GPU), and
-# the docs pages' CuPy examples.
+# The GPU tests, the CuPy rows of the backend contract suite (every check on the GPU), the
+# docs pages' CuPy examples, and the PyTorch drop-in's CUDA tests (in the same log, to keep
+# the files that come back few).
 cupy_tests=(tests/backends/test_cupy_gpu.py tests/backends/test_cupy_cpu.py
     tests/backends/test_contract.py)
 [[ -f tests/docs/test_pages.py ]] && cupy_tests+=(tests/docs/test_pages.py)
-stage pytest-cupy 200 "$OUT/pytest-cupy.log" "${PYTEST[@]}" --junitxml="$OUT/pytest-cupy.xml" \
+[[ -f tests/integrations/test_torch_cuda.py ]] && cupy_tests+=(tests/integrations/test_torch_cuda.py)
+stage pytest-cupy 260 "$OUT/pytest-cupy.log" "${PYTEST[@]}" --junitxml="$OUT/pytest-cupy.xml" \
     "${cupy_tests[@]}" || OK=0
 tail -n 40 "$OUT/pytest-cupy.log"
 
@@ -150,6 +153,11 @@ stage bench-gpt2-small 120 - "$PY" -P benchmarks/bench_gpu.py --sets gpt2-small 
     --json "$OUT/bench_gpu-gpt2-small.json" || OK=0
 stage bench-2000x1024 60 - "$PY" -P benchmarks/bench_gpu.py --sets 2000x1024 --no-jax \
     --json "$OUT/bench_gpu-2000x1024.json" || OK=0
+
+# The PyTorch drop-in against PyTorch's class, and the torch backend's route (PyTorch's kernel
+# against CuPy's through DLPack); printed into gpu_check.log only.
+stage bench-torch-cuda 90 - "$PY" -P benchmarks/bench_torch.py --device cuda --reps 15 \
+    --cycle-reps 101 || OK=0
 
 # ------------------------------------------------------------------ JAX tests
 mapfile -t jax_tests < <(ls tests/*/test_jax*.py tests/integrations/test_optax.py 2>/dev/null)

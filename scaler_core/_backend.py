@@ -184,6 +184,9 @@ register_backend("cupy", _load_module_backend("scaler_core.backends._cupy"), arr
 register_backend(
     "jax", _load_module_backend("scaler_core.backends._jax"), array_modules=["jax", "jaxlib"]
 )
+register_backend(
+    "torch", _load_module_backend("scaler_core.backends._torch"), array_modules=["torch"]
+)
 
 
 #: How to get each built-in backend's library, for the error when it does not load.
@@ -192,6 +195,7 @@ _INSTALL = {
     "cupy": "install it with pip install 'scaler-core[cupy]' (CUDA 13) or "
     "'scaler-core[cupy-cuda12]'",
     "jax": "install it with pip install 'scaler-core[jax]'",
+    "torch": "install it with pip install 'scaler-core[torch]'",
 }
 
 

@@ -63,7 +63,7 @@ from ._errors import (
     ScaleCollapseError,
     SkipLimitError,
 )
-from ._f32 import FLT_MAX, FLT_MIN, INT32_MAX, f32, is_normal_f32
+from ._f32 import FLT_MAX, FLT_MIN, INT32_MAX, f32, is_f32_exact, is_normal_f32
 
 __all__ = [
     "DATA_FIELDS",
@@ -483,7 +483,8 @@ def host_update(state: ScalerState, found_non_finite: bool) -> ScalerState:
 def device_update(xp: Any, state: ScalerState, found_non_finite: Any) -> ScalerState:
     """The same transition as :func:`host_update`, branch-free on arrays.
 
-    Written only with ``xp.where``, comparisons and float32/int32 arithmetic, so
+    Written only with ``xp.where``, ``xp.asarray``, comparisons and float32/int32
+    arithmetic (float64 for a factor float32 cannot hold), so
     it traces once under ``jax.jit`` for both flag values and runs on CuPy with
     no host synchronisation. A failing step returns the input state with
     ``failure`` set (see the module docstring); a state that has failed stays
@@ -524,7 +525,7 @@ def device_update(xp: Any, state: ScalerState, found_non_finite: Any) -> ScalerS
     if cfg.dynamic:
         growth1 = growth + one
         at_interval = clean & (growth1 == cfg.growth_interval)
-        grown = scale * f32_(cfg.growth_factor)
+        grown = _product(xp, scale, cfg.growth_factor)
         can_grow = xp.isfinite(grown)
         if cfg.max_scale is not None:
             can_grow = can_grow & (grown <= f32_(cfg.max_scale))
@@ -534,7 +535,7 @@ def device_update(xp: Any, state: ScalerState, found_non_finite: Any) -> ScalerS
             can_grow = xp.asarray(True)
         absorbed = found & (hyst > one)
         backing_off = found & ~absorbed
-        backed = _backoff_product(xp, scale, f32_(cfg.backoff_factor))
+        backed = _backoff_product(xp, scale, cfg.backoff_factor)
         if cfg.min_scale is not None:
             floor = f32_(cfg.min_scale)
             backed = xp.maximum(backed, floor)
@@ -560,10 +561,14 @@ def device_update(xp: Any, state: ScalerState, found_non_finite: Any) -> ScalerS
         # The skip limit is checked first on the host; give it precedence here too.
         over = found & (consec + one > cfg.max_consecutive_skips)
         fail = xp.where(over, int(Failure.SKIP_LIMIT), fail)
-    fail = xp.where(failure != zero, failure, fail).astype(i32)
+    fail = xp.asarray(xp.where(failure != zero, failure, fail), dtype=i32)
     keep = fail != zero
     new = [new_scale, new_growth, new_hyst, new_steps, new_skipped, new_consec]
-    out = [xp.where(keep, o, n).astype(o.dtype) for o, n in zip(old[:-1], new, strict=True)]
+    dtypes = [f32_, *([i32] * (len(new) - 1))]
+    out = [
+        xp.asarray(xp.where(keep, o, n), dtype=d)
+        for o, n, d in zip(old[:-1], new, dtypes, strict=True)
+    ]
     return _make(cfg, [*out, fail])
 
 
@@ -572,7 +577,21 @@ def device_update(xp: Any, state: ScalerState, found_non_finite: Any) -> ScalerS
 _BELOW_2_102 = (2.0**24 - 1) * 2.0**-126
 
 
-def _backoff_product(xp: Any, scale: Any, factor: Any) -> Any:
+def _product(xp: Any, value: Any, factor: float) -> Any:
+    """``f32(value * factor)`` as the host rules compute it, on arrays of ``xp``.
+
+    A factor that float32 holds exactly is multiplied in float32 (the product is
+    then the correctly rounded one). Any other factor (PyTorch accepts
+    ``backoff_factor=0.9``) is multiplied in float64 and rounded once to float32,
+    as PyTorch's kernels and the host do.
+    """
+    if is_f32_exact(factor):
+        return value * xp.float32(factor)
+    wide = xp.asarray(value, dtype=xp.float64) * xp.float64(factor)
+    return xp.asarray(wide, dtype=xp.float32)
+
+
+def _backoff_product(xp: Any, scale: Any, factor: float) -> Any:
     """``f32(scale * factor)`` as IEEE rounds it, also where the device flushes subnormals.
 
     XLA (CPU and GPU) flushes a subnormal float32 result to 0, which would turn a
@@ -582,8 +601,8 @@ def _backoff_product(xp: Any, scale: Any, factor: Any) -> Any:
     float32 just below ``2**-102`` says whether IEEE gives FLT_MIN.
     """
     f32_ = xp.float32
-    backed = scale * factor
-    high = (scale * f32_(2.0**24)) * factor
+    backed = _product(xp, scale, factor)
+    high = _product(xp, scale * f32_(2.0**24), factor)
     rounds_to_min = (backed < f32_(FLT_MIN)) & (high >= f32_(_BELOW_2_102))
     return xp.where(rounds_to_min, f32_(FLT_MIN), backed)
 

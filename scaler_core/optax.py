@@ -39,7 +39,7 @@ import optax
 from ._config import ScalerConfig
 from ._errors import InvalidArgumentError
 from ._state import ScalerState, start_state
-from .backends._jax import BACKEND, to_device
+from .backends._jax import BACKEND, require_float32_factors, to_device
 from .jax import reduce_found
 
 __all__ = ["LossScaledState", "loss_scale", "loss_scaled"]
@@ -132,6 +132,7 @@ def loss_scaled(
             works.
     """
     start = start_state(config, state)
+    require_float32_factors(start.config)  # now, not at the first traced step
     inner = optax.with_extra_args_support(inner)
 
     def init_fn(params: Any) -> LossScaledState:

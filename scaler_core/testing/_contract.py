@@ -496,6 +496,24 @@ def _cupy_conversions() -> tuple[Callable[[np.ndarray], Any], Callable[[Any], np
     return asarray, to_numpy
 
 
+def _torch_conversions() -> tuple[Callable[[np.ndarray], Any], Callable[[Any], np.ndarray]]:
+    torch = importlib.import_module("torch")
+
+    def asarray(a: np.ndarray) -> Any:  # bfloat16 through int16: NumPy has no bfloat16 for torch
+        a = np.array(a, order="C")
+        if a.dtype == _BF16:
+            return torch.from_numpy(a.view(np.int16)).view(torch.bfloat16)
+        return torch.from_numpy(a)
+
+    def to_numpy(t: Any) -> np.ndarray:
+        t = t.detach().cpu()
+        if t.dtype == torch.bfloat16:
+            return t.view(torch.int16).numpy().view(_BF16)  # type: ignore[no-any-return]
+        return t.numpy()  # type: ignore[no-any-return]
+
+    return asarray, to_numpy
+
+
 def _default_conversions(
     name: str,
 ) -> tuple[Callable[[np.ndarray], Any], Callable[[Any], np.ndarray]]:
@@ -506,6 +524,8 @@ def _default_conversions(
         return jnp.asarray, np.asarray
     if name == "cupy":
         return _cupy_conversions()
+    if name == "torch":
+        return _torch_conversions()
     raise InvalidArgumentError(
         f"backend {name!r} is not one scaler-core knows how to make arrays for; pass "
         f"asarray= (a NumPy array to one of its arrays) and to_numpy= (back)"
@@ -546,7 +566,7 @@ def check_backend(
     Args:
         backend: A backend object, or the name it is registered under.
         asarray: Turns a host NumPy array into an array of the backend's library;
-            known for ``numpy``, ``jax`` and ``cupy`` backends.
+            known for ``numpy``, ``jax``, ``cupy`` and ``torch`` backends.
         to_numpy: The way back.
         flushes_subnormals: The library flushes subnormals in arithmetic (see
             :class:`BackendSubject`); by default true for ``jax`` (XLA), false

@@ -1,7 +1,7 @@
 """The one Backend contract suite: every check of ``scaler_core.testing`` on every backend.
 
 Each backend of scaler-core is one id (the NumPy fast path on numba, the same backend
-on its pure-NumPy path, the plain reference, JAX, CuPy where a GPU is), each check of
+on its pure-NumPy path, the plain reference, JAX, CuPy where a GPU is, torch), each check of
 :data:`scaler_core.testing.BACKEND_CHECKS` another; a backend missing here skips with
 its reason. What only one library has (NumPy's read-only arrays and plan cache, JAX
 under ``jit``, CuPy's kernels) is tested beside its backend, not here.
@@ -57,6 +57,7 @@ BACKENDS: dict[str, Callable[[], Any]] = {
     "numpy-reference": _reference,
     "jax": _registered("jax"),
     "cupy": _registered("cupy"),
+    "torch": _registered("torch"),
 }
 
 

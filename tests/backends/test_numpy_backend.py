@@ -89,8 +89,13 @@ def test_read_only_gradient_is_rejected_before_any_change() -> None:
 
 
 def test_mixed_libraries_are_rejected() -> None:
-    torch = pytest.importorskip("torch")
+    class Foreign:
+        pass
+
     with pytest.raises(sc.GradientTypeError, match="no backend handles"):
+        sc.unscale([np.ones(2, np.float32), Foreign()], 2.0)
+    torch = pytest.importorskip("torch")
+    with pytest.raises(sc.GradientTypeError, match="one call takes arrays of one library"):
         sc.unscale([np.ones(2, np.float32), torch.ones(2)], 2.0)
     jnp = pytest.importorskip("jax.numpy")
     with pytest.raises(sc.GradientTypeError, match="one call takes arrays of one library"):

@@ -114,3 +114,46 @@ def test_jax_benchmark_waits_on_the_whole_tree_when_asked(
     out, found = fn(tree, jnp.float32(2.0))
     assert bool(found)
     assert float(out[0][0]) == 2.0
+
+
+def test_torch_bench_runs_both_measurements_and_writes_its_json(tmp_path: Path) -> None:
+    pytest.importorskip("torch")
+    out = tmp_path / "torch.json"
+    run = subprocess.run(
+        [
+            *(sys.executable, "benchmarks/bench_torch.py", "--small", "--reps", "2"),
+            *("--cycle-reps", "3", "--warmup", "1", "--json", str(out)),
+        ],
+        capture_output=True,
+        text=True,
+        check=False,
+        cwd=ROOT,
+        timeout=300,
+    )
+    assert run.returncode == 0, run.stderr
+    report = json.loads(out.read_text())
+    cycle, unscale, route = report["results"]
+    assert set(cycle["rows"]) == {"pytorch", "scaler_core"}
+    assert cycle["rows"]["scaler_core"]["reps"] == 3
+    assert set(unscale["rows"]) == {"pytorch", "scaler_core", "bound_foreach_mul"}
+    assert unscale["rows"]["pytorch"]["vs_pytorch"] == 1.0
+    assert all(row["GiB_per_s"] > 0 for row in unscale["rows"].values())
+    assert {k.split(":")[1] for k in route["rows"]} == {
+        "torch_kernel",
+        "numpy_fresh_views",
+        "numpy_kept_views",
+    }
+
+
+def test_torch_bench_rejects_an_unknown_measurement() -> None:
+    pytest.importorskip("torch")
+    run = subprocess.run(
+        [sys.executable, "benchmarks/bench_torch.py", "--only", "cycle,step"],
+        capture_output=True,
+        text=True,
+        check=False,
+        cwd=ROOT,
+        timeout=120,
+    )
+    assert run.returncode == 2
+    assert "--only='cycle,step'" in run.stderr

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+import numpy as np
 import pytest
 from hypothesis import given
 
@@ -26,11 +27,9 @@ INVALID = [
     ("growth_factor", 0.5),
     ("growth_factor", float("inf")),
     ("growth_factor", float("nan")),
-    ("growth_factor", 1.1),  # not a float32 value
     ("backoff_factor", 0.0),
     ("backoff_factor", 1.0),
     ("backoff_factor", -0.5),
-    ("backoff_factor", 0.1),  # not a float32 value
     ("growth_interval", 0),
     ("growth_interval", -3),
     ("growth_interval", 2.0),
@@ -63,9 +62,25 @@ def test_invalid_field_names_field_and_value(field: str, value: Any) -> None:
         dataclasses.replace(sc.ScalerConfig(), **{field: value})
 
 
-def test_factor_message_gives_the_float32_fix() -> None:
-    with pytest.raises(sc.InvalidConfigError, match=r"use 0\.100000001"):
-        sc.ScalerConfig(backoff_factor=0.1)
+@pytest.mark.parametrize(("growth", "backoff"), [(1.1, 0.9), (3.0, 0.1), (2.0, 1 / 3)])
+def test_a_factor_float32_cannot_hold_is_applied_as_pytorch_applies_it(
+    growth: float, backoff: float
+) -> None:
+    """PyTorch multiplies the float32 scale by a float64 factor and rounds once: the host
+    rule and the device rule (float64 products here) give exactly that."""
+    cfg = sc.ScalerConfig(
+        init_scale=3.0, growth_factor=growth, backoff_factor=backoff, growth_interval=1
+    )
+    assert (cfg.growth_factor, cfg.backoff_factor) == (growth, backoff)  # kept, not rounded
+    host, dev = sc.init(cfg), sc.init(cfg)
+    expect = np.float32(3.0)
+    for found in (False, True, True, False):
+        factor = backoff if found else growth
+        expect = np.float32(np.float64(expect) * factor)
+        host = sc.update(host, found)
+        dev = sc.device_update(np, dev, np.bool_(found))
+        assert host.scale == float(expect)
+        assert dev.to_host() == host
 
 
 def test_config_is_frozen() -> None:

@@ -25,6 +25,8 @@ OPTIONAL = {
     "scaler_core.backends._jax": ("jax",),
     "scaler_core.backends._cupy": ("cupy",),
     "scaler_core.backends._numpy_kernels": ("numba",),
+    "scaler_core.torch": ("torch",),
+    "scaler_core.backends._torch": ("torch",),
 }
 
 

@@ -194,3 +194,16 @@ def test_a_static_scale_never_touches_the_trackers_under_jit() -> None:
     dev = jax.jit(sc.update)(to_device(loaded), jnp.asarray(False))
     assert dev.to_host() == sc.update(loaded, False)
     assert int(dev.hysteresis_tracker) == 1
+
+
+def test_without_float64_a_factor_float32_cannot_hold_is_refused_with_the_fix() -> None:
+    """JAX without jax_enable_x64 has no float64 to form PyTorch's product in."""
+    from scaler_core.optax import loss_scaled
+
+    cfg = sc.ScalerConfig(backoff_factor=0.9)
+    assert not jax.config.read("jax_enable_x64")
+    with pytest.raises(sc.InvalidConfigError, match=r"backoff_factor=0\.9, .*use 0\.899999976"):
+        sc.update(to_device(sc.init(cfg)), jnp.asarray(True))
+    optax = pytest.importorskip("optax")
+    with pytest.raises(sc.InvalidConfigError, match=r"jax_enable_x64"):
+        loss_scaled(optax.sgd(0.1), cfg)

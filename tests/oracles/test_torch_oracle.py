@@ -80,6 +80,29 @@ def test_thousands_of_random_sequences_equal_torch() -> None:
         assert_matches_torch(cfg, flags)
 
 
+def test_factors_float32_cannot_hold_equal_torch_on_host_and_device() -> None:
+    """PyTorch takes backoff_factor=0.9 and multiplies in float64: so do we, host and device."""
+    rng = np.random.default_rng(20261201)
+    for _ in range(500):
+        cfg = sc.ScalerConfig(
+            init_scale=float(np.float32(2.0 ** rng.uniform(-60, 100))),
+            growth_factor=float(rng.choice([1.1, 1.3, 2.5, 3.0])),
+            backoff_factor=float(rng.choice([0.9, 0.1, 1 / 3, 0.7])),
+            growth_interval=int(rng.integers(1, 5)),
+        )
+        flags = (rng.random(int(rng.integers(1, 80))) < 0.4).tolist()
+        assert_matches_torch(cfg, flags)
+        dev = sc.init(cfg)
+        with np.errstate(all="ignore"):
+            for i, found in enumerate(flags):
+                dev = sc.device_update(np, dev, np.bool_(found))
+                if int(dev.failure):
+                    assert ours(cfg, flags) == i
+                    break
+                host_then = torch_trajectory(cfg, flags[: i + 1])[-1]
+                assert (float(dev.scale), int(dev.growth_tracker)) == host_then
+
+
 def test_collapse_is_refused_where_torch_goes_subnormal() -> None:
     cfg = sc.ScalerConfig(init_scale=2.0**-120)
     flags = [True] * 10

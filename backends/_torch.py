@@ -1,0 +1,402 @@
+"""The torch backend: unscale and detection over trees of tensors, on any device.
+
+How a call runs: every leaf is validated first (a tensor of float16, bfloat16,
+float32 or float64, dense or sparse), then the tensors are bucketed by (device,
+dtype) and each bucket goes through PyTorch's own fused kernel,
+``torch._amp_foreach_non_finite_check_and_unscale_`` (one dispatch for the whole
+bucket; on CPU it takes all four dtypes and rounds half types as the rules do).
+Where that kernel does not serve (bfloat16 on CUDA, devices other than CPU and
+CUDA) ``torch._foreach_mul_`` by the same float32 inverse does, with every output
+checked: the same product, rounded once, and the same flag (see
+:func:`kernel_takes`; a test runs both routes on the CPU and compares bits).
+
+That kernel checks its *input*. The rules check the *unscaled* values, which is
+the same unless the scale is below 1 (an inverse above 1 can turn a finite value
+into inf). So when the scale may be below 1 the outputs are checked too, with one
+more read (``torch._foreach_norm(..., inf)``): decided on the host for a host
+scale or a CPU tensor, and on the device (masked by ``inv > 1``) for a scale on
+an accelerator, where reading it would synchronise.
+
+Flags are 0-d ``torch.bool`` tensors on the gradients' device; nothing but
+:meth:`TorchBackend.to_bool` synchronises. A sparse float16 gradient that is not
+coalesced is coalesced first, as PyTorch's GradScaler does (duplicate indices
+could overflow only once summed); the returned tree then holds the coalesced
+tensor in its place. Every other leaf is unscaled in place.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import ml_dtypes
+import numpy as np
+import torch
+
+from scaler_core._errors import GradientTypeError, GradientValueError
+from scaler_core._f32 import FLT_MIN
+from scaler_core._state import ScalerState, device_update, require_state
+from scaler_core._tree import leaves_with_paths, map_pairs
+
+from ._common import LeafKind, check_select_pair, flag_error, host_flag, inv_scale_of
+
+__all__ = [
+    "BACKEND",
+    "LEAVES",
+    "TorchBackend",
+    "TorchNamespace",
+    "flag_unscale_overflow",
+    "inverse_scale",
+    "kernel_takes",
+    "unscale_buckets",
+]
+
+_NUMPY_DTYPES: dict[torch.dtype, np.dtype[Any]] = {
+    torch.float16: np.dtype(np.float16),
+    torch.bfloat16: np.dtype(ml_dtypes.bfloat16),
+    torch.float32: np.dtype(np.float32),
+    torch.float64: np.dtype(np.float64),
+}
+_HALF = (torch.float16, torch.bfloat16)
+
+
+def _numpy_dtype(dtype: Any) -> np.dtype[Any] | None:
+    return _NUMPY_DTYPES.get(dtype)
+
+
+#: torch gradient leaves (dense or sparse COO tensors).
+LEAVES = LeafKind(
+    "torch",
+    torch.Tensor,
+    "torch.Tensor",
+    "torch",
+    "torch.as_tensor(x)",
+    numpy_dtype=_numpy_dtype,
+    cast=".float()",
+)
+
+
+def _values(t: torch.Tensor) -> torch.Tensor:
+    """The tensor whose elements are a gradient's: itself, or a sparse tensor's values."""
+    return t._values() if t.is_sparse else t
+
+
+def _leaves(grads: Any) -> list[tuple[str, torch.Tensor]]:
+    out: list[tuple[str, torch.Tensor]] = []
+    for path, leaf in leaves_with_paths(grads):
+        LEAVES.check(path, leaf)
+        if leaf.layout not in (torch.strided, torch.sparse_coo):
+            raise GradientTypeError(
+                f"{path} has layout {leaf.layout}, but the torch backend takes dense (strided) "
+                f"and sparse COO tensors; convert it with .to_dense()"
+            )
+        out.append((path, leaf))
+    return out
+
+
+# ------------------------------------------------------------------------ scale
+def inverse_scale(scale: Any) -> tuple[torch.Tensor | float, bool | None]:
+    """``(inv, needs_output_check)`` for a host scale or a 0-d tensor scale.
+
+    ``inv = f32(1 / f64(scale))``. ``needs_output_check`` is whether the inverse
+    exceeds 1 (the unscale may overflow), or ``None`` when that is known only on
+    the device (a scale on an accelerator, not read back).
+
+    Raises:
+        GradientValueError: A host or CPU scale that is not a positive, finite,
+            normal float32, or a tensor scale of another shape or dtype.
+    """
+    if isinstance(scale, torch.Tensor):
+        if scale.numel() != 1 or not scale.is_floating_point():
+            raise GradientValueError(
+                f"scale is a tensor of shape {tuple(scale.shape)} and dtype {scale.dtype}, "
+                f"but a tensor scale must hold one float; pass the scaler's scale"
+            )
+        s = scale.detach().reshape(()).float()
+        if s.device.type == "cpu":  # reading it costs nothing: validate as a host value
+            value = float(s)
+            inv_scale_of(value)
+            return s.double().reciprocal().float(), value < 1.0
+        # On an accelerator reading it would synchronise: a bad scale becomes NaN there,
+        # so every gradient is flagged (fail closed) instead of flipped or zeroed.
+        valid = torch.isfinite(s) & (s >= FLT_MIN)
+        s = torch.where(valid, s, torch.full_like(s, math.nan))
+        return s.double().reciprocal().float(), None
+    inv = inv_scale_of(scale)
+    return inv, inv > 1.0
+
+
+def _on(inv: torch.Tensor | float, device: torch.device) -> torch.Tensor:
+    if isinstance(inv, torch.Tensor):
+        return inv.to(device, non_blocking=True)
+    return torch.full((), inv, dtype=torch.float32, device=device)
+
+
+def kernel_takes(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether PyTorch's fused unscale kernel serves ``dtype`` on ``device``.
+
+    On CPU it takes all four dtypes; on CUDA all but bfloat16. Elsewhere (and for
+    bfloat16 on CUDA) ``torch._foreach_mul_`` by the same float32 inverse serves,
+    with every output checked: the same product, rounded once, the same flag.
+    """
+    if device.type == "cpu":
+        return True
+    return device.type == "cuda" and dtype is not torch.bfloat16
+
+
+def unscale_buckets(
+    buckets: dict[torch.device, dict[torch.dtype, list[torch.Tensor]]],
+    inv: torch.Tensor | float,
+    found: dict[torch.device, torch.Tensor],
+    check_outputs: bool | None,
+) -> None:
+    """Unscale each (device, dtype) bucket in place; set ``found[device]`` to 1.0 when
+    a value is NaN or inf after unscaling (it stays 0.0 or 1.0, as PyTorch's kernel
+    leaves it: fused optimizers skip only where ``found_inf == 1``).
+
+    ``check_outputs``: ``True`` or ``False`` as decided on the host, ``None`` to
+    decide on the device (outputs checked, the result masked by ``inv > 1``).
+    """
+    with torch.no_grad():
+        for device, by_dtype in buckets.items():
+            inv_d = _on(inv, device)
+            flag = found[device]
+            for dtype, tensors in by_dtype.items():
+                if not kernel_takes(device, dtype):
+                    # The same product, rounded once, and every output checked.
+                    torch._foreach_mul_(tensors, inv_d)
+                    torch.maximum(flag, _non_finite(tensors, device).float(), out=flag)
+                    continue
+                torch._amp_foreach_non_finite_check_and_unscale_(tensors, flag, inv_d)
+                if check_outputs is False:
+                    continue
+                hit = _non_finite(tensors, device).float()
+                if check_outputs is None:
+                    hit = hit * (inv_d > 1.0).float()
+                # 1.0, never more: fused optimizers skip only where found_inf == 1
+                torch.maximum(flag, hit, out=flag)
+
+
+def flag_unscale_overflow(
+    buckets: dict[torch.device, dict[torch.dtype, list[torch.Tensor]]],
+    inv: torch.Tensor,
+    found: dict[torch.device, torch.Tensor],
+) -> None:
+    """Set ``found[device]`` to 1.0 where unscaling by ``inv`` *would* overflow a bucket.
+
+    For a fused optimizer, which unscales inside its own kernel: nothing is
+    written to the gradients. A value is flagged when ``|g| * inv`` (in float64)
+    exceeds the dtype's largest finite value, a hair more cautious than rounding
+    (a value within half an ulp of the maximum rounds to it, and is flagged).
+    Only an inverse above 1 can overflow; ``inv`` is a 0-d tensor, masked on the
+    device, never read back.
+    """
+    with torch.no_grad():
+        for device, by_dtype in buckets.items():
+            inv_d = inv.to(device, dtype=torch.float64, non_blocking=True)
+            flag = found[device]
+            for dtype, tensors in by_dtype.items():
+                if not tensors:
+                    continue
+                norms = torch._foreach_norm(list(tensors), math.inf)
+                biggest = torch.stack([n.double() for n in norms]).max()
+                hit = ((biggest * inv_d > torch.finfo(dtype).max) & (inv_d > 1.0)).float()
+                torch.maximum(flag, hit, out=flag)
+
+
+def _non_finite(tensors: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """Whether any element of ``tensors`` is NaN or inf: one read, a 0-d bool on ``device``."""
+    if not tensors:
+        return torch.zeros((), dtype=torch.bool, device=device)
+    norms = torch._foreach_norm(list(tensors), math.inf)  # max |x|: NaN or inf propagate
+    # Each norm tested in its own dtype: a float64 norm cast to float32 could overflow.
+    return ~torch.stack([torch.isfinite(n) for n in norms]).all()
+
+
+def _buckets(
+    tensors: Iterable[torch.Tensor],
+) -> dict[torch.device, dict[torch.dtype, list[torch.Tensor]]]:
+    out: dict[torch.device, dict[torch.dtype, list[torch.Tensor]]] = defaultdict(
+        lambda: defaultdict(list)
+    )
+    seen: set[int] = set()
+    for t in tensors:
+        if id(t) not in seen:  # the same tensor twice is unscaled once
+            seen.add(id(t))
+            out[t.device][t.dtype].append(t)
+    return out
+
+
+def _combine(flags: dict[torch.device, torch.Tensor], default: torch.device) -> torch.Tensor:
+    """One 0-d bool flag on the first device, from per-device float flags (no sync)."""
+    if not flags:
+        return torch.zeros((), dtype=torch.bool, device=default)
+    items = list(flags.items())
+    first = items[0][0]
+    total = items[0][1] > 0
+    for _, f in items[1:]:
+        total = total | (f > 0).to(first, non_blocking=True)
+    return total
+
+
+# --------------------------------------------------------- device transition
+class _DType:
+    """A torch dtype for :func:`device_update`: callable to make a 0-d tensor."""
+
+    def __init__(self, dtype: torch.dtype, device: torch.device) -> None:
+        self.dtype, self.device = dtype, device
+
+    def __call__(self, value: Any) -> torch.Tensor:
+        return torch.full((), value, dtype=self.dtype, device=self.device)
+
+
+class TorchNamespace:
+    """The array namespace :func:`scaler_core.device_update` runs on, for torch tensors.
+
+    Python scalars become 0-d tensors with ``torch.full`` (a fill, not a copy from
+    the host), so a transition on an accelerator stays free of transfers.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.float32 = _DType(torch.float32, device)
+        self.float64 = _DType(torch.float64, device)
+        self.int32 = _DType(torch.int32, device)
+
+    def _dtype(self, dtype: Any) -> torch.dtype | None:
+        if dtype is None:
+            return None
+        if isinstance(dtype, _DType):
+            return dtype.dtype
+        if dtype is bool:
+            return torch.bool
+        return dtype  # type: ignore[no-any-return]
+
+    def asarray(self, value: Any, dtype: Any = None) -> torch.Tensor:
+        dt = self._dtype(dtype)
+        if isinstance(value, torch.Tensor):
+            return value.to(device=self.device, dtype=dt or value.dtype, non_blocking=True)
+        if isinstance(value, np.generic | np.ndarray):
+            value = value.item()
+        if dt is None:
+            dt = torch.bool if isinstance(value, bool) else torch.get_default_dtype()
+        return torch.full((), value, dtype=dt, device=self.device)
+
+    @staticmethod
+    def where(cond: Any, a: Any, b: Any) -> torch.Tensor:
+        return torch.where(cond, a, b)
+
+    @staticmethod
+    def isfinite(a: torch.Tensor) -> torch.Tensor:
+        return torch.isfinite(a)
+
+    @staticmethod
+    def maximum(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return torch.maximum(a, b)
+
+
+# ---------------------------------------------------------------- the backend
+def _flag(found: Any, what: str = "found") -> torch.Tensor:
+    if isinstance(found, torch.Tensor):
+        if found.shape == () and found.dtype == torch.bool:
+            return found
+        raise flag_error(what, f"<torch tensor shape={tuple(found.shape)} dtype={found.dtype}>")
+    host = host_flag(found, what)
+    if host is None:
+        raise flag_error(what, repr(found))
+    return torch.tensor(host)
+
+
+class TorchBackend:
+    """Unscale and detection for torch tensors; the flag is a 0-d ``torch.bool`` tensor."""
+
+    name = "torch"
+
+    def unscale(self, grads: Any, scale: Any) -> tuple[Any, torch.Tensor]:
+        """See :meth:`scaler_core.Backend.unscale`: in place, one kernel per (device, dtype).
+
+        ``scale`` may be a host float or a 0-d float tensor (a CPU one is validated;
+        one on an accelerator is not read back, and a bad one fails closed).
+        """
+        inv, check = inverse_scale(scale)
+        leaves = _leaves(grads)
+        replaced: dict[int, torch.Tensor] = {}
+        values = []
+        for _, leaf in leaves:
+            target = leaf
+            if leaf.is_sparse and leaf.dtype == torch.float16 and not leaf.is_coalesced():
+                replaced[id(leaf)] = target = leaf.coalesce()
+            values.append(_values(target))
+        buckets = _buckets(values)
+        found = {dev: torch.zeros((), dtype=torch.float32, device=dev) for dev in buckets}
+        unscale_buckets(buckets, inv, found, check)
+        flag = _combine(found, _default_device(scale))
+        if replaced:
+            grads = map_pairs(lambda _, a, b: replaced.get(id(b), b), grads, grads, "grads")
+        return grads, flag
+
+    def find_non_finite(self, grads: Any) -> torch.Tensor:
+        """See :meth:`scaler_core.Backend.find_non_finite`: one read, nothing written."""
+        buckets = _buckets(_values(leaf) for _, leaf in _leaves(grads))
+        found = {
+            dev: _non_finite([t for ts in by_dtype.values() for t in ts], dev).float()
+            for dev, by_dtype in buckets.items()
+        }
+        return _combine(found, torch.device("cpu"))
+
+    def scale_loss(self, loss: Any, scale: Any) -> torch.Tensor:
+        """See :meth:`scaler_core.Backend.scale_loss`: float32 (or float64) on the loss's device."""
+        if not isinstance(loss, torch.Tensor):
+            raise GradientTypeError(
+                f"loss is a {type(loss).__qualname__}, but the torch backend needs a tensor loss"
+            )
+        wide = loss.float() if loss.dtype in _HALF else loss
+        if isinstance(scale, torch.Tensor):
+            inverse_scale(scale)  # validates it as far as it can be
+            return wide * scale.detach().reshape(()).float().to(loss.device)
+        inv_scale_of(scale)
+        return wide * float(np.float32(scale))
+
+    def select(self, found: Any, on_skip: Any, on_step: Any) -> Any:
+        """See :meth:`scaler_core.Backend.select`: ``torch.where`` leaf by leaf, no sync."""
+        flag = _flag(found)
+
+        def choose(path: str, a: Any, b: Any) -> Any:
+            a_t = a if isinstance(a, torch.Tensor) else torch.as_tensor(a)
+            b_t = b if isinstance(b, torch.Tensor) else torch.as_tensor(b)
+            check_select_pair(path, a_t, b_t)
+            return torch.where(flag.to(b_t.device), a_t.to(b_t.device), b_t)
+
+        return map_pairs(choose, on_skip, on_step)
+
+    def any(self, *flags: Any) -> torch.Tensor:
+        """See :meth:`scaler_core.Backend.any`: a 0-d bool on the first flag's device."""
+        out = None
+        for i, f in enumerate(flags):
+            flag = _flag(f, f"flags[{i}]")
+            out = flag if out is None else out | flag.to(out.device)
+        return torch.tensor(False) if out is None else out
+
+    def to_bool(self, found: Any) -> bool:
+        """See :meth:`scaler_core.Backend.to_bool`: the one host synchronisation."""
+        return bool(_flag(found).item())
+
+    def update(self, state: ScalerState, found: Any) -> ScalerState:
+        """See :meth:`scaler_core.Backend.update`: the transition as device work.
+
+        A refused step is recorded in ``state.failure`` and raised at the first
+        host-side look.
+        """
+        flag = _flag(found, "found_non_finite")
+        scale = require_state(state).scale
+        device = scale.device if isinstance(scale, torch.Tensor) else flag.device
+        return device_update(TorchNamespace(device), state, flag.to(device))
+
+
+def _default_device(scale: Any) -> torch.device:
+    return scale.device if isinstance(scale, torch.Tensor) else torch.device("cpu")
+
+
+BACKEND = TorchBackend()

@@ -1,0 +1,451 @@
+"""PyTorch integration: ``GradScaler``, a drop-in for ``torch.amp.GradScaler``.
+
+Change one import and nothing else: ``from scaler_core.torch import GradScaler``.
+It *is* a ``torch.amp.GradScaler`` (a subclass: frameworks that type-check it
+accept it), takes the same arguments, has the same methods and attributes, and
+trains bit-identically to it with PyTorch's defaults. On top:
+
+* any :class:`~scaler_core.ScalerConfig` or preset, ``GradScaler(config=sc.preset("megatron"))``:
+  floors, ceilings, hysteresis, skip limits;
+* fail-closed: a backoff that would leave the scale 0 or subnormal raises
+  :class:`~scaler_core.ScaleCollapseError` (on an accelerator, it is recorded and
+  raised by the next ``get_scale()``, ``state`` or ``state_dict()``), where
+  PyTorch's scale goes silently subnormal;
+* the overflow an unscale itself makes (a scale below 1) is found, which PyTorch's
+  kernel does not check;
+* ``scaler.state``: the immutable state with its skip accounting; ``stepped(optimizer)``:
+  whether the last ``step`` ran the optimizer (for LR schedulers and EMA);
+* ``state_dict()`` carries the whole versioned scaler-core state under one extra
+  key that PyTorch ignores; a dict PyTorch saved loads too;
+* ``process_group=``: the found flag is OR-ed over ``torch.distributed`` ranks, so
+  every rank skips together where ranks check different gradients (FSDP, ZeRO).
+
+Importing this module imports torch (``import scaler_core`` never does).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import defaultdict
+from typing import Any, cast
+
+import torch
+from torch.amp.grad_scaler import _refresh_per_optimizer_state
+
+from ._config import ScalerConfig
+from ._errors import InvalidArgumentError
+from ._f32 import f32, is_normal_f32
+from ._serialize import from_dict, from_torch_state_dict, to_dict
+from ._state import DATA_FIELDS, ScalerState, device_update, host_update, init
+from .backends._torch import TorchNamespace, flag_unscale_overflow, unscale_buckets
+
+__all__ = ["GradScaler"]
+
+#: The state fields beyond PyTorch's two tensors (``_scale``, ``_growth_tracker``).
+_EXTRA = DATA_FIELDS[2:]
+#: The key of ``state_dict()`` holding the whole scaler-core state (PyTorch ignores it).
+STATE_KEY = "scaler_core"
+_TORCH_DEFAULTS = (2.0**16, 2.0, 0.5, 2000)
+
+
+class GradScaler(torch.amp.GradScaler):
+    """``torch.amp.GradScaler``, with scaler-core's policies and guarantees.
+
+    Args:
+        device: As PyTorch's: the device type of the scale (``"cuda"``, ``"cpu"``, ...).
+        init_scale: As PyTorch's (rounded to float32, as PyTorch stores it).
+        growth_factor: As PyTorch's; any value above 1 (multiplied in float64 and
+            rounded once, as PyTorch does).
+        backoff_factor: As PyTorch's; any value in (0, 1).
+        growth_interval: As PyTorch's.
+        enabled: As PyTorch's: ``False`` makes every method a pass-through.
+        config: A :class:`~scaler_core.ScalerConfig` or preset, instead of the four
+            numbers above (which must then keep their defaults).
+        process_group: A ``torch.distributed`` group whose ranks must skip together:
+            each optimizer's found flag is all-reduced (max) over it, once per step.
+
+    Raises:
+        InvalidArgumentError: ``config`` is not a ScalerConfig, or is given with
+            PyTorch's numbers.
+        InvalidConfigError: The numbers make no valid config (a growth interval
+            of 0, an infinite scale).
+
+    >>> import torch
+    >>> from scaler_core.torch import GradScaler
+    >>> scaler = GradScaler("cpu", init_scale=2.0**10)
+    >>> isinstance(scaler, torch.amp.GradScaler), scaler.get_scale()
+    (True, 1024.0)
+    """
+
+    def __init__(
+        self,
+        device: str = "cuda",
+        init_scale: float = 2.0**16,
+        growth_factor: float = 2.0,
+        backoff_factor: float = 0.5,
+        growth_interval: int = 2000,
+        enabled: bool = True,
+        *,
+        config: ScalerConfig | None = None,
+        process_group: Any = None,
+    ) -> None:
+        if config is not None:
+            if not isinstance(config, ScalerConfig):
+                raise InvalidArgumentError(
+                    f"config={config!r}, but it must be a ScalerConfig (or a preset's)"
+                )
+            given = (init_scale, growth_factor, backoff_factor, growth_interval)
+            if given != _TORCH_DEFAULTS:
+                raise InvalidArgumentError(
+                    "config= was given with init_scale, growth_factor, backoff_factor or "
+                    "growth_interval; pass the numbers in the config only"
+                )
+            init_scale, growth_factor = config.init_scale, config.growth_factor
+            backoff_factor, growth_interval = config.backoff_factor, config.growth_interval
+        super().__init__(
+            device, init_scale, growth_factor, backoff_factor, growth_interval, enabled
+        )
+        self._process_group = process_group
+        self._mirror: ScalerState | None = None  # a CPU scaler's state at its last update
+        self._fused_check = False
+        self._stepped: dict[int, Any] = {}
+        self._extra: dict[str, torch.Tensor] | None = None
+        self._config: ScalerConfig | None = config
+        if not self._enabled:  # as PyTorch's: nothing is checked, nothing is held
+            return
+        if config is None:
+            config = ScalerConfig(
+                init_scale=f32(float(init_scale)),
+                growth_factor=float(growth_factor),
+                backoff_factor=float(backoff_factor),
+                growth_interval=growth_interval,
+            )
+        self._config = config
+        self._init_scale = config.init_scale
+        self._start = init(config)
+
+    # ------------------------------------------------------------ what it holds
+    @property
+    def config(self) -> ScalerConfig:
+        """The policy (PyTorch's four numbers, or the config given).
+
+        Raises:
+            InvalidArgumentError: The scaler is disabled (``enabled=False``).
+        """
+        return self._enabled_config()
+
+    def _enabled_config(self) -> ScalerConfig:
+        if not self._enabled or self._config is None:
+            raise InvalidArgumentError(
+                "this GradScaler is disabled (enabled=False): it holds no policy or state"
+            )
+        return self._config
+
+    @property
+    def state(self) -> ScalerState:
+        """The current state, read to the host (raises a recorded collapse).
+
+        A synchronisation on an accelerator, as :meth:`get_scale` is.
+
+        Raises:
+            InvalidArgumentError: The scaler is disabled.
+            ScaleCollapseError: A collapse was recorded on the device.
+        """
+        self._enabled_config()
+        if self._scale is None or self._extra is None:
+            return dataclasses.replace(
+                self._start, scale=f32(self._init_scale), growth_tracker=self._init_growth_tracker
+            )
+        return self._device_state().to_host()
+
+    def stepped(self, optimizer: torch.optim.Optimizer) -> bool:
+        """Whether the last ``step(optimizer)`` ran ``optimizer.step()`` (it was not skipped).
+
+        Follow it with the LR scheduler or an EMA update. A host read of the
+        flag for a fused optimizer (its skip is decided on the device).
+
+        Raises:
+            InvalidArgumentError: ``step(optimizer)`` was never called.
+        """
+        ran = self._stepped.get(id(optimizer))
+        if ran is None:
+            raise InvalidArgumentError(
+                "stepped(optimizer) was called for an optimizer this scaler never stepped; "
+                "call scaler.step(optimizer) first"
+            )
+        return bool(ran) if isinstance(ran, bool) else not bool(ran.item())
+
+    def _device_state(self) -> ScalerState:
+        """The state as it lives: 0-d tensors on the scale's device (after lazy init)."""
+        extra = cast(dict[str, torch.Tensor], self._extra)
+        return ScalerState(self._enabled_config(), self._scale, self._growth_tracker, **extra)
+
+    def _lazy_init_scale_growth_tracker(self, dev: torch.device) -> None:
+        super()._lazy_init_scale_growth_tracker(dev)
+        self._extra = {
+            name: torch.full((), getattr(self._start, name), dtype=torch.int32, device=dev)
+            for name in _EXTRA
+        }
+
+    # ------------------------------------------------------------ unscale, step
+    def _unscale_grads_(
+        self,
+        optimizer: torch.optim.Optimizer,
+        inv_scale: torch.Tensor,
+        found_inf: torch.Tensor,
+        allow_fp16: bool,
+    ) -> dict[torch.device, torch.Tensor]:
+        """As PyTorch's (the same grouping, errors and sparse handling), with the rules'
+        check of the unscaled values where the scale may be below 1."""
+        buckets: dict[torch.device, dict[torch.dtype, list[torch.Tensor]]] = defaultdict(
+            lambda: defaultdict(list)
+        )
+        with torch.no_grad():
+            for group in optimizer.param_groups:
+                for param in group["params"]:
+                    if not isinstance(param, torch.Tensor):
+                        raise AssertionError(  # PyTorch's error
+                            f"expected param to be torch.Tensor, got {type(param).__name__}"
+                        )
+                    grad = param.grad
+                    if grad is None:
+                        continue
+                    if (not allow_fp16) and grad.dtype == torch.float16:
+                        raise ValueError("Attempting to unscale FP16 gradients.")  # PyTorch's error
+                    if grad.is_sparse:
+                        if grad.dtype is torch.float16:
+                            param.grad = grad = grad.coalesce()
+                        grad = grad._values()
+                    buckets[grad.device][grad.dtype].append(grad)
+        found = {dev: found_inf.to(dev, copy=True, non_blocking=True) for dev in buckets}
+        unscale_buckets(buckets, inv_scale, found, self._check_outputs(inv_scale))
+        if self._fused_check and self._may_fall_below_one():
+            # A fused optimizer unscales in its kernel: flag what that would overflow.
+            scale = cast(torch.Tensor, self._scale)
+            flag_unscale_overflow(buckets, scale.double().reciprocal(), found)
+        self._reduce(found)
+        return found
+
+    def _check_inf_per_device(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        # PyTorch checks a fused optimizer's gradients with a dummy inverse of 1, so
+        # the unscale the optimizer itself does below a scale of 1 goes unchecked.
+        self._fused_check = True
+        try:
+            return super()._check_inf_per_device(optimizer)
+        finally:
+            self._fused_check = False
+
+    def _check_outputs(self, inv_scale: torch.Tensor) -> bool | None:
+        """Whether the unscaled values need their own check (the scale may be below 1)."""
+        if not self._may_fall_below_one():
+            return False
+        if inv_scale.device.type == "cpu":  # reading it costs nothing
+            return bool(inv_scale.item() > 1.0)
+        return None  # decided on the device, without a synchronisation
+
+    def _may_fall_below_one(self) -> bool:
+        floor = self._enabled_config().min_scale
+        return floor is None or floor < 1.0
+
+    def _reduce(self, found: dict[torch.device, torch.Tensor]) -> None:
+        """OR the flags over the process group: one all-reduce (max) per device."""
+        if self._process_group is None:
+            return
+        import torch.distributed as dist  # noqa: PLC0415 - only data-parallel users need it
+
+        for flag in found.values():
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._process_group)
+
+    def _maybe_opt_step(
+        self,
+        optimizer: torch.optim.Optimizer,
+        optimizer_state: dict[str, Any],
+        *args: Any,
+        **kwargs: Any,
+    ) -> Any:
+        skip = bool(sum(v.item() for v in optimizer_state["found_inf_per_device"].values()))
+        self._stepped[id(optimizer)] = not skip
+        return None if skip else optimizer.step(*args, **kwargs)
+
+    def step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
+        """As PyTorch's: unscale (if not done), then ``optimizer.step()`` unless its
+        gradients held inf/NaN; fused optimizers get ``grad_scale`` and ``found_inf``."""
+        retval = super().step(optimizer, *args, **kwargs)
+        if self._enabled and getattr(optimizer, "_step_supports_amp_scaling", False):
+            found = self._found_inf_per_device(optimizer)
+            if found:  # decided on the device: remembered as a tensor, read if asked
+                total = sum(t.to(self._scale.device) for t in found.values())  # type: ignore[union-attr]
+                self._stepped[id(optimizer)] = total
+        elif not self._enabled:
+            self._stepped[id(optimizer)] = True
+        return retval
+
+    # ------------------------------------------------------------------ update
+    def update(self, new_scale: float | torch.Tensor | None = None) -> None:
+        """As PyTorch's, through scaler-core's transition (every config, fail-closed).
+
+        Raises:
+            ScaleCollapseError: (CPU) The step would collapse the scale or hit a floor
+                set to raise; the scaler is left as it was, this step's checks kept
+                (see :meth:`abandon_step`). On an accelerator the refusal is recorded
+                and raised by the next host-side look.
+            SkipLimitError: (CPU) More consecutive skips than the config allows.
+        """
+        if not self._enabled:
+            return
+        _scale, _growth_tracker = self._check_scale_growth_tracker("update")
+        if new_scale is not None:
+            super().update(self._new_scale(new_scale))
+            return
+        found_infs = [
+            found_inf
+            for state in self._per_optimizer_states.values()
+            for found_inf in state["found_inf_per_device"].values()
+        ]
+        if len(found_infs) == 0:
+            raise AssertionError("No inf checks were recorded prior to update.")  # PyTorch's error
+        if _scale.device.type == "cpu":  # host values cost nothing to read here
+            current = self._host_state()
+            new = host_update(current, any(f.item() for f in found_infs))
+            for name in DATA_FIELDS:
+                value = getattr(new, name)
+                if value != getattr(current, name):
+                    self._field(name).fill_(value)
+            self._mirror = new
+        else:
+            found = torch.stack([f.to(_scale.device, non_blocking=True) for f in found_infs])
+            found = found.sum() > 0
+            new = device_update(TorchNamespace(_scale.device), self._device_state(), found)
+            for name in DATA_FIELDS:
+                self._field(name).copy_(getattr(new, name))
+        self._per_optimizer_states = defaultdict(_refresh_per_optimizer_state)
+
+    def _host_state(self) -> ScalerState:
+        """The state of a CPU scaler: the copy kept at the last update, while the two
+        tensors PyTorch exposes (``_scale``, ``_growth_tracker``) still hold its values
+        (code that writes them directly is seen), else read from the tensors."""
+        mirror = self._mirror
+        scale, tracker = cast(torch.Tensor, self._scale), cast(torch.Tensor, self._growth_tracker)
+        if (
+            mirror is not None
+            and scale.item() == mirror.scale
+            and tracker.item() == mirror.growth_tracker
+        ):
+            return mirror
+        return self._device_state().to_host()
+
+    def _new_scale(self, new_scale: float | torch.Tensor) -> float | torch.Tensor:
+        """``new_scale`` checked as far as the host can see it: a positive normal float32
+        (a tensor on an accelerator is taken as PyTorch takes it, unread)."""
+        if isinstance(new_scale, torch.Tensor):
+            if new_scale.device.type != "cpu" or new_scale.numel() != 1:
+                return new_scale  # PyTorch's own checks answer
+            value: Any = new_scale.item()
+        elif isinstance(new_scale, int) and not isinstance(new_scale, bool):
+            value = new_scale = float(new_scale)
+        else:
+            value = new_scale
+        if not isinstance(value, float) or not is_normal_f32(value):
+            raise InvalidArgumentError(
+                f"new_scale={value!r}, but it must be a positive, finite, normal float32 "
+                f"value (as every scale); pass a float such as 1024.0"
+            )
+        return new_scale
+
+    def _field(self, name: str) -> torch.Tensor:
+        if name == "scale":
+            return self._scale  # type: ignore[return-value]
+        if name == "growth_tracker":
+            return self._growth_tracker  # type: ignore[return-value]
+        return self._extra[name]  # type: ignore[index]
+
+    def abandon_step(self) -> None:
+        """Drop this iteration's checks and keep the state: the way out after
+        :meth:`update` refused a step (then resume from a checkpoint, or go on)."""
+        self._per_optimizer_states = defaultdict(_refresh_per_optimizer_state)
+
+    # ------------------------------------------------------------------- reading
+    def get_scale(self) -> float:
+        """As PyTorch's; raises a collapse recorded on an accelerator."""
+        extra = self._extra
+        if self._enabled and self._scale is not None and extra and int(extra["failure"].item()):
+            self._device_state().check()  # raises the recorded error
+        return super().get_scale()
+
+    def set_growth_factor(self, new_factor: float) -> None:
+        """As PyTorch's; validated (a factor must stay above 1)."""
+        if self._enabled:
+            self._set_config(growth_factor=float(new_factor))
+        super().set_growth_factor(new_factor)
+
+    def set_backoff_factor(self, new_factor: float) -> None:
+        """As PyTorch's; validated (a factor must stay in (0, 1))."""
+        if self._enabled:
+            self._set_config(backoff_factor=float(new_factor))
+        super().set_backoff_factor(new_factor)
+
+    def set_growth_interval(self, new_interval: int) -> None:
+        """As PyTorch's; validated (an interval of at least 1)."""
+        if self._enabled:
+            self._set_config(growth_interval=new_interval)
+        super().set_growth_interval(new_interval)
+
+    def _set_config(self, **fields: Any) -> None:
+        self._config = dataclasses.replace(self._enabled_config(), **fields)
+        self._start = dataclasses.replace(self._start, config=self._config)
+
+    # ------------------------------------------------------------------- saving
+    def state_dict(self) -> dict[str, Any]:
+        """PyTorch's five entries, and the whole scaler-core state under ``"scaler_core"``."""
+        out = super().state_dict()
+        if self._enabled:
+            out[STATE_KEY] = to_dict(self.state)
+        return out
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a dict this class or ``torch.amp.GradScaler`` saved, validated first.
+
+        A dict PyTorch saved keeps this scaler's policy knobs beyond PyTorch's
+        (floors, hysteresis, ...); one saved by this class restores them all.
+
+        Raises:
+            RuntimeError: The dict is empty (as PyTorch raises).
+            InvalidStateError: It is malformed; nothing is loaded.
+        """
+        if not self._enabled:
+            return
+        if len(state_dict) == 0:
+            raise RuntimeError(  # PyTorch's error
+                "The source state dict is empty, possibly because it was saved "
+                "from a disabled instance of GradScaler."
+            )
+        payload = state_dict.get(STATE_KEY)
+        if payload is not None:
+            loaded = from_dict(payload)
+        else:  # PyTorch's five keys; the other knobs stay this scaler's
+            loaded = from_torch_state_dict(dict(state_dict), self._enabled_config())
+        self._apply(loaded)
+
+    def _apply(self, state: ScalerState) -> None:
+        self._config = state.config
+        self._start = state
+        self._init_scale = state.scale
+        self._growth_factor = state.config.growth_factor
+        self._backoff_factor = state.config.backoff_factor
+        self._growth_interval = state.config.growth_interval
+        self._init_growth_tracker = state.growth_tracker
+        self._mirror = None
+        if self._scale is not None and self._extra is not None:
+            for name in DATA_FIELDS:
+                self._field(name).fill_(getattr(state, name))
+
+    def __getstate__(self) -> dict[str, Any]:
+        out = super().__getstate__()
+        if self._enabled:
+            out["_start"] = self.state
+            out["_init_scale"] = out["_start"].scale
+            out["_extra"] = None
+        out["_mirror"] = None
+        out["_process_group"] = None  # a process group cannot be pickled: pass it again
+        out["_stepped"] = {}
+        return out

@@ -1,0 +1,154 @@
+"""What only the torch backend has: sparse gradients, tensors that require grad, the
+unscale's own overflow that PyTorch's kernel misses, scales held in tensors, dispatch.
+The rules every backend keeps are checked once, for every backend, in
+``test_contract.py``."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import warnings
+from typing import Any
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch", reason="the torch backend needs torch")
+
+import scaler_core as sc  # noqa: E402
+
+BACKEND = sc.get_backend("torch")
+
+
+def test_torch_tensors_pick_the_torch_backend() -> None:
+    grads = {"w": torch.full((3,), 4.0), "b": [None, torch.full((2,), 8.0, dtype=torch.bfloat16)]}
+    out, found = sc.unscale(grads, 4.0)
+    assert out is grads
+    assert grads["w"].tolist() == [1.0] * 3
+    assert grads["b"][1].tolist() == [2.0, 2.0]
+    assert found.dtype == torch.bool
+    assert found.shape == ()
+    assert not bool(found)
+
+
+def test_an_overflow_made_by_the_unscale_is_found_where_pytorchs_kernel_misses_it() -> None:
+    """Below a scale of 1 the inverse can turn a finite float16 into inf: PyTorch's kernel
+    checks its input and misses it; the rules check the unscaled values."""
+    g = torch.tensor([60000.0, 1.0], dtype=torch.float16)
+    theirs = g.clone()
+    found_inf = torch.zeros(())
+    torch._amp_foreach_non_finite_check_and_unscale_([theirs], found_inf, torch.full((), 2.0))
+    assert found_inf.item() == 0.0  # missed ...
+    assert torch.isinf(theirs[0])  # ... though the result is inf
+    for scale in (0.5, torch.tensor(0.5)):
+        ours = g.clone()
+        _, found = BACKEND.unscale([ours], scale)
+        assert bool(found)
+        assert torch.isinf(ours[0])
+
+
+def test_gradients_of_parameters_that_require_grad_are_unscaled_in_place() -> None:
+    layer = torch.nn.Linear(3, 2)
+    layer(torch.ones(4, 3)).sum().mul(1024.0).backward()
+    weight_grad = layer.weight.grad
+    assert weight_grad is not None
+    before = weight_grad.clone()
+    BACKEND.unscale([p.grad for p in layer.parameters()], 1024.0)
+    assert layer.weight.grad is weight_grad
+    torch.testing.assert_close(weight_grad, before / 1024.0, rtol=0, atol=0)
+    BACKEND.unscale([layer.weight], 2.0)  # a parameter itself, under no_grad
+
+
+def test_sparse_gradients_are_unscaled_and_float16_ones_coalesced_first() -> None:
+    i = torch.tensor([[0, 1, 1], [2, 0, 2]])
+    v = torch.tensor([16.0, 32.0, 64.0])
+    dense = torch.sparse_coo_tensor(i, v, (2, 3), check_invariants=True)
+    _, found = BACKEND.unscale([dense], 4.0)
+    assert not bool(found)
+    assert dense._values().tolist() == [4.0, 8.0, 16.0]
+    # float16 with duplicate indices: each value is finite, their sum overflows.
+    dup_i = torch.tensor([[0, 1, 0], [2, 0, 2]])
+    dup_v = torch.tensor([64000.0, 32.0, 64000.0], dtype=torch.float16)
+    uncoalesced = torch.sparse_coo_tensor(dup_i, dup_v, (2, 3), check_invariants=True)
+    out, found = BACKEND.unscale({"g": uncoalesced}, 1.0)
+    assert bool(found), "the coalesced sum overflows float16"
+    assert out["g"] is not uncoalesced
+    assert out["g"].is_coalesced()
+    assert not BACKEND.to_bool(BACKEND.find_non_finite([dense]))
+
+
+def test_a_tensor_scale_must_hold_one_float() -> None:
+    for bad in (torch.ones(2), torch.tensor(2)):
+        with pytest.raises(sc.GradientValueError, match="a tensor scale must hold one float"):
+            BACKEND.unscale([torch.ones(2)], bad)
+    with pytest.raises(sc.GradientValueError, match="scale="):
+        BACKEND.unscale([torch.ones(2)], torch.tensor(-2.0))  # a CPU tensor is read: refused
+
+
+def test_a_sparse_csr_tensor_is_refused_by_name() -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # CSR support is "beta" in torch
+        csr = torch.eye(3).to_sparse_csr()
+    with pytest.raises(sc.GradientTypeError, match=r"grads\[0\] has layout torch\.sparse_csr"):
+        BACKEND.unscale([csr], 2.0)
+
+
+def test_the_device_transition_runs_on_tensors_and_equals_the_host() -> None:
+    cfg = sc.ScalerConfig(growth_interval=2, min_scale=1.0, hysteresis=2, backoff_factor=0.9)
+    host = sc.init(cfg)
+    dev = sc.init(cfg)
+    rng = np.random.default_rng(0)
+    for found in (rng.random(60) < 0.4).tolist():
+        host = sc.update(host, found)
+        dev = sc.update(dev, torch.tensor(found))
+        assert isinstance(dev.scale, torch.Tensor)
+        assert dev.scale.dtype == torch.float32
+        assert dev.to_host() == host
+
+
+def test_import_scaler_core_never_imports_torch() -> None:
+    code = (
+        "import sys, numpy as np, scaler_core as sc; sc.unscale([np.ones(2)], 2.0); "
+        "print('torch' in sys.modules)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
+
+
+@pytest.mark.parametrize(
+    "dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64], ids=str
+)
+@pytest.mark.parametrize("scale", [2.0**-7, 0.75, 1.0, 3.0, 2.0**24])
+def test_the_route_for_devices_without_the_kernel_gives_the_kernels_bits(
+    monkeypatch: pytest.MonkeyPatch, dtype: Any, scale: float
+) -> None:
+    """bfloat16 on CUDA (and other devices) unscales by _foreach_mul_: run it on the CPU."""
+    from scaler_core.backends import _torch
+
+    gen = torch.Generator().manual_seed(7)
+    base = [(torch.randn(257, generator=gen) * 10.0 ** float(e)).to(dtype) for e in (-6, 0, 3, 30)]
+    base.append(torch.tensor([1.0, float("nan"), -float("inf")]).to(dtype))
+    big = float(torch.finfo(dtype).max) / 2  # overflows below a scale of 1
+    base.append(torch.full((4,), big, dtype=dtype))
+    for picks in ([0, 1, 2], [0, 3], [4], [5], list(range(6))):
+        grads = {
+            "kernel": [base[i].clone() for i in picks],
+            "mul": [base[i].clone() for i in picks],
+        }
+        _, found_kernel = BACKEND.unscale(grads["kernel"], scale)
+        monkeypatch.setattr(_torch, "kernel_takes", lambda device, dtype: False)
+        _, found_mul = BACKEND.unscale(grads["mul"], scale)
+        monkeypatch.undo()
+        assert bool(found_kernel) == bool(found_mul), picks
+        for a, b in zip(grads["kernel"], grads["mul"], strict=True):
+            assert torch.equal(a.view(torch.uint8), b.view(torch.uint8)), picks
+
+
+def test_float64_values_beyond_float32s_range_are_finite() -> None:
+    """The check reads each norm in its own dtype (a float32 cast made 1e300 inf)."""
+    big = torch.tensor([1e300, -1e300], dtype=torch.float64)
+    assert not bool(BACKEND.find_non_finite([big]))
+    _, found = BACKEND.unscale([big.clone()], 0.5)  # below 1: the outputs are checked
+    assert not bool(found)
+    _, found = BACKEND.unscale([big.clone()], 2.0**-100)  # 1e300 * 2**100 is inf in float64
+    assert bool(found)

@@ -15,6 +15,13 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 
 
+def _run(*argv: str, timeout: float) -> subprocess.CompletedProcess[str]:
+    """A benchmark command line, run from the repository root."""
+    return subprocess.run(
+        list(argv), capture_output=True, text=True, check=False, cwd=ROOT, timeout=timeout
+    )
+
+
 def test_bound_kernel_multiplies_every_element_in_place(
     repo_module: Callable[[str], ModuleType],
 ) -> None:
@@ -35,15 +42,9 @@ def test_bound_kernel_multiplies_every_element_in_place(
 
 def test_harness_hot_cache_run_writes_its_json(tmp_path: Path) -> None:
     out = tmp_path / "hot.json"
-    run = subprocess.run(
-        [
-            *(sys.executable, "-m", "benchmarks", "--small", "--sets", "2000x1024,4x16M"),
-            *("--reps", "2", "--warmup", "1", "--cache", "hot", "--out", str(out)),
-        ],
-        capture_output=True,
-        text=True,
-        check=False,
-        cwd=ROOT,
+    run = _run(
+        *(sys.executable, "-m", "benchmarks", "--small", "--sets", "2000x1024,4x16M"),
+        *("--reps", "2", "--warmup", "1", "--cache", "hot", "--out", str(out)),
         timeout=300,
     )
     assert run.returncode == 0, run.stderr
@@ -66,14 +67,7 @@ def test_harness_hot_cache_run_writes_its_json(tmp_path: Path) -> None:
 
 
 def test_harness_rejects_an_unknown_cache_mode() -> None:
-    run = subprocess.run(
-        [sys.executable, "-m", "benchmarks", "--small", "--cache", "warm"],
-        capture_output=True,
-        text=True,
-        check=False,
-        cwd=ROOT,
-        timeout=120,
-    )
+    run = _run(sys.executable, "-m", "benchmarks", "--small", "--cache", "warm", timeout=120)
     assert run.returncode == 2
     assert "--cache" in run.stderr
     assert "'warm'" in run.stderr
@@ -119,15 +113,9 @@ def test_jax_benchmark_waits_on_the_whole_tree_when_asked(
 def test_torch_bench_runs_both_measurements_and_writes_its_json(tmp_path: Path) -> None:
     pytest.importorskip("torch")
     out = tmp_path / "torch.json"
-    run = subprocess.run(
-        [
-            *(sys.executable, "benchmarks/bench_torch.py", "--small", "--reps", "2"),
-            *("--cycle-reps", "3", "--warmup", "1", "--json", str(out)),
-        ],
-        capture_output=True,
-        text=True,
-        check=False,
-        cwd=ROOT,
+    run = _run(
+        *(sys.executable, "benchmarks/bench_torch.py", "--small", "--reps", "2"),
+        *("--cycle-reps", "3", "--warmup", "1", "--json", str(out)),
         timeout=300,
     )
     assert run.returncode == 0, run.stderr
@@ -147,13 +135,6 @@ def test_torch_bench_runs_both_measurements_and_writes_its_json(tmp_path: Path) 
 
 def test_torch_bench_rejects_an_unknown_measurement() -> None:
     pytest.importorskip("torch")
-    run = subprocess.run(
-        [sys.executable, "benchmarks/bench_torch.py", "--only", "cycle,step"],
-        capture_output=True,
-        text=True,
-        check=False,
-        cwd=ROOT,
-        timeout=120,
-    )
+    run = _run(sys.executable, "benchmarks/bench_torch.py", "--only", "cycle,step", timeout=120)
     assert run.returncode == 2
     assert "--only='cycle,step'" in run.stderr

@@ -6,7 +6,7 @@
 // so 2000 small arrays cost one launch, not 2000. Each block ORs its threads'
 // findings with __syncthreads_or and writes the flag with at most one atomic.
 //
-// Semantics (SPEC section 5, identical to the NumPy backend):
+// Semantics (the rules of docs/reference.md#backends, identical to the NumPy backend):
 //   inv_scale = f32(1 / f64(scale)), read from device memory when a device
 //   scale is passed (no host synchronisation) or taken from host_inv;
 //   float16/bfloat16 are computed in float32 and written back rounded to

@@ -47,7 +47,7 @@ __all__ = [
     "LEAVES",
     "TorchBackend",
     "TorchNamespace",
-    "flag_unscale_overflow",
+    "check_for_fused",
     "inverse_scale",
     "kernel_takes",
     "unscale_buckets",
@@ -179,31 +179,33 @@ def unscale_buckets(
                 torch.maximum(flag, hit, out=flag)
 
 
-def flag_unscale_overflow(
+def check_for_fused(
     buckets: dict[torch.device, dict[torch.dtype, list[torch.Tensor]]],
-    inv: torch.Tensor,
+    inv: torch.Tensor | None,
     found: dict[torch.device, torch.Tensor],
 ) -> None:
-    """Set ``found[device]`` to 1.0 where unscaling by ``inv`` *would* overflow a bucket.
+    """Set ``found[device]`` to 1.0 where a fused optimizer's own unscale by ``inv``
+    would meet a non-finite value: one read per bucket, nothing written.
 
-    For a fused optimizer, which unscales inside its own kernel: nothing is
-    written to the gradients. A value is flagged when ``|g| * inv`` (in float64)
-    exceeds the dtype's largest finite value, a hair more cautious than rounding
-    (a value within half an ulp of the maximum rounds to it, and is flagged).
-    Only an inverse above 1 can overflow; ``inv`` is a 0-d tensor, masked on the
-    device, never read back.
+    A fused optimizer unscales inside its kernel; this checks for it. A bucket is
+    flagged when its largest ``|g|`` is NaN or inf, or when ``|g| * inv`` (in
+    float64) exceeds the dtype's largest finite value, a hair more cautious than
+    rounding (a value within half an ulp of the maximum rounds to it, and is
+    flagged). Only an inverse above 1 can overflow; ``inv`` is a 0-d tensor,
+    masked on the device, never read back, or ``None`` where the scale cannot
+    fall below 1 (the finiteness check alone).
     """
     with torch.no_grad():
         for device, by_dtype in buckets.items():
-            inv_d = inv.to(device, dtype=torch.float64, non_blocking=True)
+            inv_d = None if inv is None else inv.to(device, torch.float64, non_blocking=True)
             flag = found[device]
             for dtype, tensors in by_dtype.items():
-                if not tensors:
-                    continue
-                norms = torch._foreach_norm(list(tensors), math.inf)
+                norms = torch._foreach_norm(list(tensors), math.inf)  # NaN and inf propagate
                 biggest = torch.stack([n.double() for n in norms]).max()
-                hit = ((biggest * inv_d > torch.finfo(dtype).max) & (inv_d > 1.0)).float()
-                torch.maximum(flag, hit, out=flag)
+                hit = ~torch.isfinite(biggest)
+                if inv_d is not None:
+                    hit |= (biggest * inv_d > torch.finfo(dtype).max) & (inv_d > 1.0)
+                torch.maximum(flag, hit.float(), out=flag)
 
 
 def _non_finite(tensors: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:

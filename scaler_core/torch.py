@@ -37,7 +37,7 @@ from ._errors import InvalidArgumentError
 from ._f32 import f32, is_normal_f32
 from ._serialize import from_dict, from_torch_state_dict, to_dict
 from ._state import DATA_FIELDS, ScalerState, device_update, host_update, init
-from .backends._torch import TorchNamespace, flag_unscale_overflow, unscale_buckets
+from .backends._torch import TorchNamespace, check_for_fused, unscale_buckets
 
 __all__ = ["GradScaler"]
 
@@ -107,7 +107,6 @@ class GradScaler(torch.amp.GradScaler):
         )
         self._process_group = process_group
         self._mirror: ScalerState | None = None  # a CPU scaler's state at its last update
-        self._fused_check = False
         self._stepped: dict[int, Any] = {}
         self._extra: dict[str, torch.Tensor] | None = None
         self._config: ScalerConfig | None = config
@@ -197,6 +196,31 @@ class GradScaler(torch.amp.GradScaler):
     ) -> dict[torch.device, torch.Tensor]:
         """As PyTorch's (the same grouping, errors and sparse handling), with the rules'
         check of the unscaled values where the scale may be below 1."""
+        buckets = self._buckets(optimizer, allow_fp16)
+        found = {dev: found_inf.to(dev, copy=True, non_blocking=True) for dev in buckets}
+        unscale_buckets(buckets, inv_scale, found, self._check_outputs(inv_scale))
+        self._reduce(found)
+        return found
+
+    def _check_inf_per_device(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        """For a fused optimizer, which unscales in its own kernel: check what that
+        unscale will meet, one read and nothing written. (PyTorch's checks with a
+        dummy inverse of 1, so below a scale of 1 the kernel's overflow goes unseen.)"""
+        scale, _ = self._check_scale_growth_tracker("_check_inf_per_device")
+        buckets = self._buckets(optimizer, True)
+        found = {dev: torch.zeros((), dtype=torch.float32, device=dev) for dev in buckets}
+        inv = scale.double().reciprocal() if self._may_fall_below_one() else None
+        check_for_fused(buckets, inv, found)
+        self._reduce(found)
+        self._per_optimizer_states[id(optimizer)]["found_inf_per_device"] = found
+        return found
+
+    @staticmethod
+    def _buckets(
+        optimizer: torch.optim.Optimizer, allow_fp16: bool
+    ) -> dict[torch.device, dict[torch.dtype, list[torch.Tensor]]]:
+        """The optimizer's gradients (a sparse one's values) by device and dtype, checked
+        as PyTorch checks them; a sparse float16 gradient is coalesced first."""
         buckets: dict[torch.device, dict[torch.dtype, list[torch.Tensor]]] = defaultdict(
             lambda: defaultdict(list)
         )
@@ -217,23 +241,7 @@ class GradScaler(torch.amp.GradScaler):
                             param.grad = grad = grad.coalesce()
                         grad = grad._values()
                     buckets[grad.device][grad.dtype].append(grad)
-        found = {dev: found_inf.to(dev, copy=True, non_blocking=True) for dev in buckets}
-        unscale_buckets(buckets, inv_scale, found, self._check_outputs(inv_scale))
-        if self._fused_check and self._may_fall_below_one():
-            # A fused optimizer unscales in its kernel: flag what that would overflow.
-            scale = cast(torch.Tensor, self._scale)
-            flag_unscale_overflow(buckets, scale.double().reciprocal(), found)
-        self._reduce(found)
-        return found
-
-    def _check_inf_per_device(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-        # PyTorch checks a fused optimizer's gradients with a dummy inverse of 1, so
-        # the unscale the optimizer itself does below a scale of 1 goes unchecked.
-        self._fused_check = True
-        try:
-            return super()._check_inf_per_device(optimizer)
-        finally:
-            self._fused_check = False
+        return buckets
 
     def _check_outputs(self, inv_scale: torch.Tensor) -> bool | None:
         """Whether the unscaled values need their own check (the scale may be below 1)."""

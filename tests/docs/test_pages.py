@@ -245,8 +245,12 @@ _PRIVATE = re.compile(
 #: Names that moved or were renamed; the pages must not mention them.
 _GONE = re.compile(
     r"_simulate|_numpy_fused|jax_utils|jax_optax|scaler_core\.gpu|scaler_core\.distributed"
-    r"|allreduce_found|nccl_reduce_found|state_to_device|SPEC\b|PERF_NOTES|\.\./shared"
+    r"|allreduce_found|nccl_reduce_found|state_to_device"
 )
+#: A path that climbs out of a folder (``../x``), and a document named in capitals
+#: (``NOTES.md``): each must resolve inside the repository.
+_CLIMB = re.compile(r"(?:\.\./)+[\w./-]+")
+_CAPS_DOC = re.compile(r"\b[A-Z][A-Z_]{2,}\.md\b")
 
 
 def _user_files() -> list[Path]:
@@ -259,7 +263,19 @@ def test_user_docs_name_public_modules_only(path: Path) -> None:
     private = sorted({m.group(0) for m in _PRIVATE.finditer(text)})
     assert not private, f"{_name(path)} names private modules: {private}"
     gone = sorted({m.group(0) for m in _GONE.finditer(text)})
-    assert not gone, f"{_name(path)} names what no longer exists or lies outside: {gone}"
+    assert not gone, f"{_name(path)} names what no longer exists: {gone}"
+    climbs = {m.group(0) for m in _CLIMB.finditer(text)}
+    outside = sorted(p for p in climbs if not _inside(path.parent / p))
+    assert not outside, f"{_name(path)} points outside the repository: {outside}"
+    docs = {m.group(0) for m in _CAPS_DOC.finditer(text)}
+    missing = sorted(d for d in docs if not (ROOT / d).is_file() and not (DOCS / d).is_file())
+    assert not missing, f"{_name(path)} names documents the repository does not hold: {missing}"
+
+
+def _inside(target: Path) -> bool:
+    """Whether ``target`` exists and lies inside the repository."""
+    resolved = target.resolve()
+    return resolved.is_relative_to(ROOT) and resolved.exists()
 
 
 def test_relative_links_between_pages_resolve() -> None:

@@ -213,7 +213,7 @@ class GradScaler(torch.amp.GradScaler):
         check_for_fused(buckets, inv, found)
         self._reduce(found)
         self._per_optimizer_states[id(optimizer)]["found_inf_per_device"] = found
-        return found
+        return cast(dict[str, Any], found)  # PyTorch's annotation; the keys are devices
 
     @staticmethod
     def _buckets(

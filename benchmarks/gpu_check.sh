@@ -158,6 +158,9 @@ stage bench-2000x1024 60 - "$PY" -P benchmarks/bench_gpu.py --sets 2000x1024 --n
 # against CuPy's through DLPack); printed into gpu_check.log only.
 stage bench-torch-cuda 90 - "$PY" -P benchmarks/bench_torch.py --device cuda --reps 15 \
     --cycle-reps 101 || OK=0
+# Unscale + detect + clip: PyTorch's unscale_ + clip_grad_norm_(foreach=True) against
+# scaler-core's unscale_and_clip on CuPy views of the same memory; gpu_check.log only.
+stage bench-clip-cuda 60 - "$PY" -P benchmarks/bench_clip.py --device cuda --reps 15 || OK=0
 
 # ------------------------------------------------------------------ JAX tests
 mapfile -t jax_tests < <(ls tests/*/test_jax*.py tests/integrations/test_optax.py 2>/dev/null)

@@ -206,12 +206,8 @@ def norm_of_sums(sums: Any) -> np.float32:
     >>> float(norm_of_sums([9.0, 16.0]))
     5.0
     """
-    values = [float(s) for s in sums]
-    if any(math.isnan(s) for s in values):
-        nan: np.float32 = np.float32(math.nan)
-        return nan
-    try:
-        total = math.fsum(values)
+    try:  # every sum is >= 0, +inf or NaN, and fsum keeps a NaN a NaN
+        total = math.fsum(sums)
     except (OverflowError, ValueError):
         total = math.inf
     with np.errstate(over="ignore"):

@@ -218,9 +218,10 @@ def check_for_fused(
 
 def _non_finite(tensors: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:
     """Whether any element of ``tensors`` is NaN or inf: one read, a 0-d bool on ``device``."""
+    tensors = [t for t in tensors if t.numel()]  # an empty tensor has no max norm
     if not tensors:
         return torch.zeros((), dtype=torch.bool, device=device)
-    norms = torch._foreach_norm(list(tensors), math.inf)  # max |x|: NaN or inf propagate
+    norms = torch._foreach_norm(tensors, math.inf)  # max |x|: NaN or inf propagate
     # Each norm tested in its own dtype: a float64 norm cast to float32 could overflow.
     return ~torch.stack([torch.isfinite(n) for n in norms]).all()
 

@@ -27,9 +27,11 @@ Every contender works on one shared buffer. Before each timed call the pristine
 scaled gradients are copied back in (outside the timer, the same copy for every
 contender), so each call unscales and clips real gradients and takes the step (no
 inf). ``max_norm`` is 1.0 and the gradients' norm is far above it, so the clip
-always writes. Before timing, the benchmark checks that the fused and unfused
-results equal PyTorch's (norms within 1e-5 relative, every clipped value
-``allclose`` with ``rtol=1e-5``) and that every timed call returns the same norm.
+always writes. Before timing, every row that clips is checked against the exact
+clip (the norm summed in float64, then ``(g * inv) * coef`` with PyTorch's float32
+coefficient): scaler-core's rows within 1e-5 relative (the norm and every value),
+PyTorch's within 1e-2 (its CPU norm sums in float32), and every timed call must
+return the norm of its check.
 
 Usage::
 
@@ -48,6 +50,7 @@ import argparse
 import datetime
 import gc
 import json
+import math
 import os
 import random
 import statistics
@@ -81,6 +84,8 @@ RESULTS = Path(_ROOT) / "benchmarks" / "results"
 SCALE = 2.0**10
 MAX_NORM = 1.0
 RTOL = 1e-5
+#: PyTorch's float32 norm on the CPU: about 8.5e-4 relative on GPT-2 small (torch 2.13).
+TORCH_RTOL = 1e-2
 BASE, FUSED, BOUND2, BOUND1 = "pytorch", "sc_fused", "bound_2r1w", "bound_1r1w"
 GOAL = 1.8  # the issue's target: sc_fused at least this much faster than pytorch on GPT-2
 
@@ -285,37 +290,52 @@ class Case:
         )
 
     def check(self) -> dict[str, Any]:
-        """Every scaler-core row's result against PyTorch's pair, once, before timing."""
-        _, found, ref_norm = self.run_once(BASE)
-        if found:
-            raise AssertionError(f"{self.name}: PyTorch found a non-finite gradient")
-        assert ref_norm is not None
-        reference = [w.clone() for w in self.work]
-        out: dict[str, Any] = {"reference_norm": ref_norm, "rows": {}}
+        """Every row that clips against the exact result, once, before timing.
+
+        The reference is the norm of the unscaled gradients accumulated in float64
+        (exact to float32 rounding) and ``(g * inv) * coef`` with PyTorch's float32
+        coefficient for that norm. scaler-core's rows must match it to ``RTOL``;
+        PyTorch's pair is held to ``TORCH_RTOL``, because its CPU norm sums in
+        float32 (off by about 1e-3 relative on GPT-2 small); whether scaler-core and
+        PyTorch also agree to ``RTOL`` is recorded.
+        """
+        with torch.no_grad():
+            total = math.fsum(float(torch.sum(p.double() ** 2)) for p in self.pristine)
+            exact = math.sqrt(total) / SCALE  # exact: SCALE is a power of two
+            coef = clip_coefficient(np.float32(exact), MAX_NORM)
+            coef_t = torch.tensor(float(coef), dtype=torch.float32, device=self.device)
+            expected = [(p * (1.0 / SCALE)) * coef_t for p in self.pristine]
+        out: dict[str, Any] = {"exact_norm": exact, "coefficient": float(coef), "rows": {}}
         for name in self.calls:
-            if name in (BASE, BOUND2, BOUND1):
+            if name in (BOUND2, BOUND1):
                 continue
             _, found, norm = self.run_once(name)
             assert norm is not None
-            rel = abs(norm - ref_norm) / ref_norm
-            row: dict[str, Any] = {"found": found, "norm": norm, "norm_rel_diff": rel}
+            rel = abs(norm - exact) / exact
+            tol = TORCH_RTOL if name == BASE else RTOL
+            row: dict[str, Any] = {"found": found, "norm": norm, "norm_rel_err": rel}
+            row["tolerance"] = tol
             if name == "sc_unscale_norm":  # unscaled, not clipped: exact, as 1/SCALE is
-                expect = [p * (1.0 / SCALE) for p in self.pristine]
-                close = all(torch.equal(w, e) for w, e in zip(self.work, expect, strict=True))
+                close = all(
+                    torch.equal(w, p * (1.0 / SCALE))
+                    for w, p in zip(self.work, self.pristine, strict=True)
+                )
                 row["grads"] = "equal to pristine / scale"
             else:
-                close = all(
-                    torch.allclose(w, r, rtol=RTOL, atol=0.0)
-                    for w, r in zip(self.work, reference, strict=True)
+                row["max_rel_err"] = max(
+                    float(((w - e).abs() / e.abs()).max())
+                    for w, e in zip(self.work, expected, strict=True)
                 )
-                row["max_rel_diff"] = max(
-                    float(((w - r).abs() / r.abs()).max())
-                    for w, r in zip(self.work, reference, strict=True)
-                )
-                row["grads"] = f"allclose(rtol={RTOL}) to PyTorch's"
-            if found or rel > RTOL or not close:
-                raise AssertionError(f"{self.name}: {name} does not match PyTorch's pair: {row}")
+                close = row["max_rel_err"] <= tol
+                row["grads"] = "(g * inv) * coef(exact norm), max relative error"
+            if found or rel > tol or not close:
+                raise AssertionError(f"{self.name}: {name} does not match the exact clip: {row}")
             out["rows"][name] = row
+        torch_norm = out["rows"][BASE]["norm"]
+        for name, row in out["rows"].items():
+            if name != BASE:
+                row["norm_rel_diff_vs_pytorch"] = abs(row["norm"] - torch_norm) / torch_norm
+        out["pytorch_agrees_to_rtol"] = out["rows"][BASE]["norm_rel_err"] <= RTOL
         out["passed"] = True
         return out
 
@@ -326,7 +346,6 @@ def run_set(
     """All contenders on one set, interleaved: medians, ratios and raw samples."""
     case = Case(name, small=small, device=device, seed=seed)
     check = case.check()
-    ref_norm = check["reference_norm"]
     names = list(case.calls)
     samples: dict[str, list[float]] = {n: [] for n in names}
     shuffle = random.Random(seed)
@@ -341,7 +360,8 @@ def run_set(
             for n in names:
                 elapsed, found, norm = case.run_once(n)
                 samples[n].append(elapsed)
-                if found or (norm is not None and abs(norm - ref_norm) > RTOL * ref_norm):
+                want = check["rows"].get(n, {}).get("norm")
+                if found or (norm is not None and abs(norm - want) > RTOL * want):
                     raise AssertionError(f"{name}: {n} returned found={found}, norm={norm}")
     finally:
         if gc_was:
@@ -489,7 +509,12 @@ def main(argv: list[str] | None = None) -> int:
                 f"goal: {FUSED} {g['value']:.2f}x PyTorch's pair on {r['set']}"
                 f" (target {GOAL}x): {verdict}"
             )
-    print("check: every scaler-core result matched PyTorch's pair (norm and clipped values)")
+    for r in results:
+        c = r["check"]
+        print(
+            f"check {r['set']}: scaler-core's norms and clipped values within {RTOL} of the"
+            f" exact clip; PyTorch's norm off by {c['rows'][BASE]['norm_rel_err']:.2g} relative"
+        )
     try:
         with open("/proc/loadavg") as f:
             info["loadavg_at_end"] = f.read().split()[:3]

@@ -49,7 +49,7 @@ def update(state: ScalerState, found_non_finite: Any, grad_norm: Any = None) -> 
         state: The current state.
         found_non_finite: Whether any gradient of this step was NaN or inf.
         grad_norm: This step's global gradient norm (the norm returned by
-            ``unscale_norm()`` or ``unscale_clip()``). Needed when the config
+            ``unscale_and_norm()`` or ``unscale_and_clip()``). Needed when the config
             has ``spike_threshold`` set; ignored otherwise.
 
     Returns:

@@ -24,7 +24,7 @@ from ._config import ScalerConfig
 from ._errors import InvalidArgumentError, InvalidStateError, LifecycleError
 from ._report import LeafReport, non_finite_leaves
 from ._serialize import from_dict, to_dict
-from ._state import ScalerState, StepKind, start_state
+from ._state import ScalerState, StepKind, classify, norm_missing_error, start_state
 
 __all__ = ["TRANSITIONS", "Call", "GradScaler", "StepPhase", "StepReport"]
 
@@ -405,15 +405,25 @@ class GradScaler:
         return found
 
     def should_skip_step(self) -> bool:
-        """Whether this step's gradients held NaN/inf (a host synchronisation).
+        """Whether this step is skipped (a host synchronisation): its gradients held
+        NaN/inf or, with spike skipping on, its norm is a spike.
 
         Clip and step the optimizer only when this is false.
 
         Raises:
             LifecycleError: No gradients were checked in this step.
+            InvalidArgumentError: Spike skipping is on and no call of this step
+                computed a norm (use :meth:`unscale_and_norm` or
+                :meth:`unscale_and_clip`).
         """
         phase = self._next(Call.SHOULD_SKIP_STEP)
         skip = self._backend_for(None).to_bool(self._step_found())
+        if not skip and self.config.spike_threshold is not None:
+            norm = self.grad_norm
+            if norm is None:
+                raise norm_missing_error(self.config)
+            state = self._state if self._state.on_host else self._state.to_host()
+            skip = classify(state, False, float(norm)).skipped
         self._phase = phase
         return skip
 

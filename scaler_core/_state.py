@@ -475,7 +475,7 @@ def _sat_inc(n: int) -> int:
 #: What every grad_norm check says a norm must be.
 NORM_MUST = (
     "it must be a real number or a 0-d float array; pass the norm returned by "
-    "unscale_norm() or unscale_clip()"
+    "scaler_core.unscale_and_norm() or unscale_and_clip()"
 )
 
 
@@ -483,8 +483,8 @@ def norm_missing_error(cfg: ScalerConfig) -> InvalidArgumentError:
     """The one error for a missing ``grad_norm`` under spike skipping."""
     return InvalidArgumentError(
         f"grad_norm=None, but spike_threshold={cfg.spike_threshold!r} needs this step's "
-        f"global gradient norm; pass the norm returned by unscale_norm() or unscale_clip() "
-        f"as update(state, found, grad_norm=norm)"
+        f"global gradient norm; pass the norm returned by scaler_core.unscale_and_norm() or "
+        f"unscale_and_clip() as update(state, found, grad_norm=norm)"
     )
 
 

@@ -167,9 +167,12 @@ def test_clip_bench_times_every_row_after_checking_them_against_pytorch(tmp_path
         assert r["rows"]["bound_2r1w"]["over_bound_2r1w"] == 1.0
         check = r["check"]
         assert check["passed"]
-        assert set(check["rows"]) == {"sc_fused", "sc_unfused", "sc_unscale_norm"}
-        assert all(row["norm_rel_diff"] <= 1e-5 for row in check["rows"].values())
-        assert check["reference_norm"] > 1.0  # max_norm is 1.0: the clip wrote
+        assert set(check["rows"]) == {"pytorch", "sc_fused", "sc_unfused", "sc_unscale_norm"}
+        for name, row in check["rows"].items():
+            assert row["found"] is False
+            assert row["norm_rel_err"] <= (1e-2 if name == "pytorch" else 1e-5)
+        assert check["rows"]["sc_fused"]["max_rel_err"] <= 1e-5
+        assert check["exact_norm"] > 1.0  # max_norm is 1.0: the clip wrote
     assert "| gpt2-small | sc_fused |" in report["table"]
 
 
@@ -185,3 +188,20 @@ def test_clip_bench_on_cuda_is_skipped_cleanly_without_a_gpu(tmp_path: Path) -> 
     assert run.returncode == 0, run.stderr
     assert "skipped" in run.stdout
     assert json.loads(out.read_text())["status"] == "skipped"
+
+
+def test_optax_clip_bench_checks_both_clips_agree(tmp_path: Path) -> None:
+    pytest.importorskip("optax")
+    out = tmp_path / "optax.json"
+    run = _run(
+        *(sys.executable, "benchmarks/bench_optax_clip.py", "--leaves", "3", "--size", "1000"),
+        *("--reps", "1", "--json", str(out)),
+        timeout=300,
+    )
+    assert run.returncode == 0, run.stderr
+    report = json.loads(out.read_text())
+    assert set(report["median_ms"]) == {"unscale_and_clip", "unscale_then_optax_clip", "unscale"}
+    assert report["max_rel_diff"] <= 1e-6
+    bad = _run(sys.executable, "benchmarks/bench_optax_clip.py", "--reps", "0", timeout=60)
+    assert bad.returncode == 2
+    assert len(bad.stderr.strip().splitlines()) == 1

@@ -78,3 +78,26 @@ def test_two_groups_norms_combine_as_one_vector() -> None:
     scaler.unscale_and_norm([np.array([3.0], np.float32)], group="a")
     scaler.unscale_and_norm([np.array([4.0], np.float32)], group="b")
     assert float(scaler.grad_norm) == pytest.approx(5.0)
+
+
+def test_a_spike_skips_the_optimizer_step_and_keeps_the_scale() -> None:
+    config = sc.ScalerConfig(spike_threshold=3.0, spike_window=8)
+    scaler = sc.GradScaler(config)
+    rng = np.random.default_rng(0)
+    stepped = []
+    for i in range(12):
+        size = 100.0 if i == 10 else 1.0
+        grads = [rng.standard_normal(64).astype(np.float32) * size * scaler.scale]
+        scaler.unscale_and_norm(grads)
+        stepped.append(scaler.step(lambda: True) is not None)
+        scaler.update()
+    assert stepped == [True] * 10 + [False, True]
+    assert scaler.state.skipped_steps == 1
+    assert scaler.scale == 65536.0
+
+
+def test_spike_skipping_without_a_norm_is_refused_with_the_fix() -> None:
+    scaler = sc.GradScaler(sc.ScalerConfig(spike_threshold=3.0))
+    scaler.unscale([np.ones(3, np.float32)])
+    with pytest.raises(sc.InvalidArgumentError, match="unscale_and_norm"):
+        scaler.should_skip_step()

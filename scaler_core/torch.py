@@ -36,6 +36,7 @@ from ._config import ScalerConfig
 from ._errors import InvalidArgumentError
 from ._f32 import f32, is_normal_f32
 from ._lifecycle import StepReport
+from ._report import LeafReport, non_finite_leaves
 from ._serialize import from_dict, from_torch_state_dict, to_dict
 from ._state import DATA_FIELDS, FLOAT_FIELDS, ScalerState, device_update, host_update, init
 from .backends._torch import BACKEND as _TORCH
@@ -79,7 +80,12 @@ class GradScaler(torch.amp.GradScaler):
         on_step: Called once per :meth:`update` with a
             :class:`~scaler_core.StepReport` (the step's kind, scale, flag, and the
             norm from :meth:`unscale_and_clip_`); nothing is read from the device
-            to build it.
+            to build it. Like ``process_group``, it is not pickled.
+        report_leaves: On a step whose gradients hold NaN or inf, find which
+            (:func:`scaler_core.non_finite_leaves`, paths ``grads[group][index]``
+            in ``optimizer.param_groups`` order) and put them in the report. Costs
+            one host read of each optimizer's flag per unscale, and one more read
+            of the gradients only on such steps.
 
     Raises:
         InvalidArgumentError: ``config`` is not a ScalerConfig, is given with
@@ -107,6 +113,7 @@ class GradScaler(torch.amp.GradScaler):
         config: ScalerConfig | None = None,
         process_group: Any = None,
         on_step: Any = None,
+        report_leaves: bool = False,
     ) -> None:
         if config is not None:
             if not isinstance(config, ScalerConfig):
@@ -129,7 +136,11 @@ class GradScaler(torch.amp.GradScaler):
             raise InvalidArgumentError(
                 f"on_step={on_step!r}, but it must be a callable taking a StepReport (or None)"
             )
+        if not isinstance(report_leaves, bool):
+            raise InvalidArgumentError(f"report_leaves={report_leaves!r}, but it must be a bool")
         self._on_step = on_step
+        self._report_leaves = report_leaves
+        self._leaves: list[LeafReport] = []
         self._norm: torch.Tensor | None = None
         self._mirror: ScalerState | None = None  # a CPU scaler's state at its last update
         self._stepped: dict[int, Any] = {}
@@ -231,7 +242,17 @@ class GradScaler(torch.amp.GradScaler):
         found = {dev: found_inf.to(dev, copy=True, non_blocking=True) for dev in buckets}
         unscale_buckets(buckets, inv_scale, found, self._check_outputs(inv_scale))
         self._reduce(found)
+        self._look_for_leaves(optimizer, found)
         return found
+
+    def _look_for_leaves(
+        self, optimizer: torch.optim.Optimizer, found: dict[torch.device, torch.Tensor]
+    ) -> None:
+        """With ``report_leaves``, name the optimizer's non-finite gradients (if any)."""
+        if not self._report_leaves or not any(bool(f.item()) for f in found.values()):
+            return
+        grads = [[p.grad for p in group["params"]] for group in optimizer.param_groups]
+        self._leaves.extend(non_finite_leaves(grads, backend=_TORCH))
 
     def _check_inf_per_device(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         """For a fused optimizer, which unscales in its own kernel: check what that
@@ -363,6 +384,7 @@ class GradScaler(torch.amp.GradScaler):
         optimizer_state["found_inf_per_device"] = {
             dev: found.to(dev, dtype=torch.float32, non_blocking=True) for dev in buckets
         }
+        self._look_for_leaves(optimizer, optimizer_state["found_inf_per_device"])
         optimizer_state["stage"] = OptState.UNSCALED
         self._norm = norm
         return norm
@@ -414,8 +436,9 @@ class GradScaler(torch.amp.GradScaler):
                 self._field(name).copy_(getattr(new, name))
         self._per_optimizer_states = defaultdict(_refresh_per_optimizer_state)
         norm, self._norm = self._norm, None
+        leaves, self._leaves = tuple(self._leaves), []
         if self._on_step is not None:
-            self._on_step(StepReport(new, flag, norm))
+            self._on_step(StepReport(new, flag, norm, leaves))
 
     def _host_state(self) -> ScalerState:
         """The state of a CPU scaler: the copy kept at the last update, while the two
@@ -460,6 +483,7 @@ class GradScaler(torch.amp.GradScaler):
         """Drop this iteration's checks and keep the state: the way out after
         :meth:`update` refused a step (then resume from a checkpoint, or go on)."""
         self._per_optimizer_states = defaultdict(_refresh_per_optimizer_state)
+        self._leaves, self._norm = [], None
 
     # ------------------------------------------------------------------- reading
     def get_scale(self) -> float:
@@ -548,4 +572,6 @@ class GradScaler(torch.amp.GradScaler):
         out["_mirror"] = None
         out["_process_group"] = None  # a process group cannot be pickled: pass it again
         out["_stepped"] = {}
+        out["_on_step"] = None  # a callback may be a closure or lambda: pass it again
+        out["_leaves"], out["_norm"] = [], None
         return out

@@ -8,7 +8,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from scaler_core import StepKind, StepReport  # noqa: E402
+from scaler_core import InvalidArgumentError, StepKind, StepReport  # noqa: E402
 from scaler_core.torch import GradScaler  # noqa: E402
 
 
@@ -73,3 +73,29 @@ def test_a_skipped_step_leaves_the_gradients_alone() -> None:
         scaler.unscale_and_clip_(opt, 1.0)
     scaler.update()
     assert scaler.get_scale() == 4.0
+
+
+def test_the_report_names_the_overflowing_gradient_and_pickling_drops_the_callback() -> None:
+    import pickle
+
+    first, second = torch.nn.Parameter(torch.zeros(3)), torch.nn.Parameter(torch.zeros(2))
+    opt = torch.optim.SGD([{"params": [first]}, {"params": [second]}], lr=1.0)
+    reports: list[StepReport] = []
+    scaler = GradScaler(
+        "cpu", init_scale=4.0, on_step=lambda r: reports.append(r), report_leaves=True
+    )
+    for clip in (False, True):
+        scaler.scale(torch.ones(()))
+        first.grad = torch.ones(3)
+        second.grad = torch.tensor([math.nan, math.inf])
+        if clip:
+            scaler.unscale_and_clip_(opt, 1.0)
+        scaler.step(opt)
+        scaler.update()
+    for report in reports:
+        assert report.kind is StepKind.BACKOFF
+        assert [str(leaf) for leaf in report.leaves] == ["grads[1][0]: 1 inf, 1 nan"]
+    copy = pickle.loads(pickle.dumps(scaler))  # a lambda callback is left behind
+    assert copy.get_scale() == 1.0
+    with pytest.raises(InvalidArgumentError, match="report_leaves="):
+        GradScaler("cpu", report_leaves=1)

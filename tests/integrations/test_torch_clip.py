@@ -82,7 +82,10 @@ def test_the_report_names_the_overflowing_gradient_and_pickling_drops_the_callba
     opt = torch.optim.SGD([{"params": [first]}, {"params": [second]}], lr=1.0)
     reports: list[StepReport] = []
     scaler = GradScaler(
-        "cpu", init_scale=4.0, on_step=lambda r: reports.append(r), report_leaves=True
+        "cpu",
+        init_scale=4.0,
+        on_step=lambda r: reports.append(r),  # noqa: PLW0108 - a lambda cannot be pickled
+        report_leaves=True,
     )
     for clip in (False, True):
         scaler.scale(torch.ones(()))

@@ -732,25 +732,28 @@ def _numba_norm(k: ModuleType, plan: _Plan, inv: float, write: bool) -> tuple[bo
 def _numba_norm_arrays(
     k: ModuleType, leaves: list[np.ndarray], inv: float, write: bool
 ) -> tuple[bool, list[float]]:
-    found = False
-    sums: list[float] = []
-    for g in leaves:
-        if g.size == 0:
-            continue
-        if not _is_block(g):
-            hit, part = _strided_norm(g, inv, write)
-        elif g.dtype in _EXPONENT:
-            hit, part = _half_norm(_flat(g), inv, write, k)
-        else:
-            parts = np.empty(-(-g.size // NORM_CHUNK))
-            hit = math.isnan(k.norm_array(_flat(g), g.dtype.type(inv), write, parts, 0))
-            part = parts.tolist()
-        found = found or hit
-        sums.extend(part)
-    return found, sums
+    def block(flat: np.ndarray) -> tuple[bool, list[float]]:
+        parts = np.empty(-(-flat.size // NORM_CHUNK))
+        hit = math.isnan(k.norm_array(flat, flat.dtype.type(inv), write, parts, 0))
+        return hit, parts.tolist()
+
+    return _norm_leaves(leaves, inv, write, k, block)
 
 
 def _numpy_norm(leaves: list[np.ndarray], inv: float, write: bool) -> tuple[bool, list[float]]:
+    return _norm_leaves(leaves, inv, write, None, lambda f: _numpy_block_norm(f, inv, write))
+
+
+def _norm_leaves(
+    leaves: list[np.ndarray],
+    inv: float,
+    write: bool,
+    kernels: ModuleType | None,
+    block: Callable[[np.ndarray], tuple[bool, list[float]]],
+) -> tuple[bool, list[float]]:
+    """The flag and the chunks' sums, array by array: ``block`` for float32/float64
+    blocks, NumPy's casts for halves, the reference's arithmetic for strided arrays
+    (shared by the numba and pure-NumPy paths)."""
     found = False
     sums: list[float] = []
     for g in leaves:
@@ -759,9 +762,9 @@ def _numpy_norm(leaves: list[np.ndarray], inv: float, write: bool) -> tuple[bool
         if not _is_block(g):
             hit, part = _strided_norm(g, inv, write)
         elif g.dtype in _EXPONENT:
-            hit, part = _half_norm(_flat(g), inv, write, None)
+            hit, part = _half_norm(_flat(g), inv, write, kernels)
         else:
-            hit, part = _numpy_block_norm(_flat(g), inv, write)
+            hit, part = block(_flat(g))
         found = found or hit
         sums.extend(part)
     return found, sums

@@ -164,7 +164,7 @@ def loss_scaled(
         if axis_name is not None:
             found = reduce_found(found, axis_name)
             if norm is not None:
-                norm = jax.lax.pmax(norm, axis_name)
+                norm = jax.lax.pmax(norm, axis_name)  # type: ignore[no-untyped-call]
         scaler = BACKEND.update(opt_state.scaler, found, norm)
         skip = found
         if spikes:

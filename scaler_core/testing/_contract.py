@@ -469,7 +469,7 @@ def _clipped(u: np.ndarray, coef: np.float32) -> np.ndarray:
     """The rules' clipped value of an unscaled leaf: ``u * coef`` in float32 (float64 for
     float64), rounded to the leaf's dtype."""
     if u.dtype == np.dtype(np.float64):
-        return u * np.float64(coef)
+        return np.asarray(u * np.float64(coef))
     return np.asarray(u.astype(np.float32) * coef, dtype=u.dtype)
 
 
@@ -477,7 +477,8 @@ def _coefficient(norm: float, max_norm: float) -> np.float32:
     """PyTorch's ``clip_grad_norm_`` coefficient in its float32 steps, clamped at 1."""
     with np.errstate(divide="ignore", over="ignore", invalid="ignore"):
         coef = (np.float32(1.0) / (np.float32(norm) + np.float32(1e-6))) * np.float32(max_norm)
-    return np.float32(min(coef, np.float32(1.0)))
+    out: np.float32 = np.float32(min(coef, np.float32(1.0)))
+    return out
 
 
 def _check_norm_and_clip(c: _Check) -> None:
@@ -512,10 +513,11 @@ def _check_norm_and_clip(c: _Check) -> None:
             raise c.fail(f"unscale_norm of {dtype} with a NaN gave a finite norm")
     given = [c.array(_values(c.subject.dtypes[-1], 2.0, 5, seed=7))]
     before = c.host(given[0])
-    for max_norm in (0.0, -1.0, float("inf"), float("nan"), True, "1"):
+    bad_norms: tuple[Any, ...] = (0.0, -1.0, float("inf"), float("nan"), True, "1")
+    for max_norm in bad_norms:
         c.raises(
             InvalidArgumentError,
-            lambda m=max_norm: c.backend.unscale_clip(given, 2.0, m),
+            functools.partial(c.backend.unscale_clip, given, 2.0, max_norm),
             f"unscale_clip(max_norm={max_norm!r})",
             "max_norm",
         )

@@ -142,7 +142,7 @@ def test_a_missing_norm_is_refused_before_anything_changes() -> None:
         lambda: sc.classify(state, False),
         lambda: device_update(np, state, np.bool_(False)),
     ):
-        with pytest.raises(sc.InvalidArgumentError, match=r"grad_norm=None.*unscale_norm\(\)"):
+        with pytest.raises(sc.InvalidArgumentError, match=r"grad_norm=None.*unscale_and_norm\(\)"):
             call()
     assert state == before
 

@@ -17,6 +17,8 @@
 #     pytest-jax.{log,xml}     JAX backend tests on the GPU
 #     bench_gpu-SET.json       benchmark results per set
 #     summary.json             stage results, test counts, benchmark goals
+#   and at the end everything but these two is packed into details.tar.gz (so a device
+#   run brings back three files).
 # Exit status: 0 when every test passed and the benchmarks ran, 1 otherwise.
 set -u -o pipefail
 
@@ -259,6 +261,11 @@ else:
 sys.exit(0 if ok else 1)
 PY
 RC=$?
+# At most three files come back from a device run: pack the details into one archive.
+(cd "$OUT" && find . -maxdepth 1 -type f ! -name gpu_check.log ! -name summary.json \
+    ! -name details.tar.gz -printf '%P\n' | tar -czf details.tar.gz -T - &&
+    find . -maxdepth 1 -type f ! -name gpu_check.log ! -name summary.json \
+        ! -name details.tar.gz -delete)
 # Let tee write the last lines to the log before the caller collects OUTDIR.
 exec 1>&- 2>&-
 wait "$TEE_PID" 2>/dev/null || sleep 1

@@ -10,6 +10,13 @@ element in a single pass over memory (``backends/_cupy_kernels.cu``). A
 non-contiguous array is copied into a contiguous buffer, goes through the same
 launch, and is copied back.
 
+The norm (``unscale_norm``, ``unscale_clip``) comes from the same walk: each
+block writes its float64 sum of squares to its own slot and one tiny launch adds
+the slots in a fixed order, so a norm is deterministic (no floating-point
+atomics). Clipping is a read-only first pass (flag and norm), the optional
+``reduce`` of the flag, and a second pass that reads the decision flag and the
+norm on the device: it writes nothing on a skipped step.
+
 Nothing here synchronises with the host except :meth:`CupyBackend.to_bool`:
 the scale may be a device scalar (read by the kernel itself), the flag is a 0-d
 device ``bool`` array, and :meth:`CupyBackend.update` runs the branch-free
@@ -38,7 +45,7 @@ from scaler_core._errors import (
     GradientValueError,
     InvalidArgumentError,
 )
-from scaler_core._f32 import FLT_MIN
+from scaler_core._f32 import FLT_MIN, f32
 from scaler_core._state import ScalerState, convert_fields, device_update
 from scaler_core._tree import leaves_with_paths, map_pairs
 
@@ -49,6 +56,7 @@ from ._common import (
     flag_error,
     host_flag,
     inv_scale_of,
+    max_norm_of,
 )
 
 # BACKEND (what the registry reads) is served by __getattr__ below.
@@ -316,11 +324,7 @@ def _scale_arg(scale: Any) -> tuple[Any, np.float32]:
             float32 (host), or not a 0-d real CuPy array (device).
     """
     if isinstance(scale, _NDARRAY):
-        if scale.shape != () or scale.dtype.kind != "f":
-            raise GradientValueError(
-                f"scale is a cupy array of shape {scale.shape} and dtype {scale.dtype}, but a "
-                f"device scale must be a 0-d float array; pass state.scale of a device state"
-            )
+        _check_device_scale(scale)
         if scale.dtype != np.float32:
             scale = scale.astype(np.float32)
         # Reading the value would synchronise with the host. Instead a scale that is not
@@ -329,6 +333,22 @@ def _scale_arg(scale: Any) -> tuple[Any, np.float32]:
         valid = cupy.isfinite(scale) & (scale >= _FLT_MIN)
         return cupy.where(valid, scale, _NAN32), np.float32(1.0)
     return _NULL, np.float32(inv_scale_of(scale))
+
+
+def _check_device_scale(scale: Any) -> None:
+    if scale.shape != () or scale.dtype.kind != "f":
+        raise GradientValueError(
+            f"scale is a cupy array of shape {scale.shape} and dtype {scale.dtype}, but a "
+            f"device scale must be a 0-d float array; pass state.scale of a device state"
+        )
+
+
+def _check_scale(scale: Any) -> None:
+    """:func:`_scale_arg`'s refusals alone: host checks, no device work."""
+    if isinstance(scale, _NDARRAY):
+        _check_device_scale(scale)
+    else:
+        inv_scale_of(scale)
 
 
 def _strided_copies(leaves: list[Any], plan: _Plan) -> list[tuple[Any, Any]]:
@@ -357,14 +377,51 @@ def _as_bool(buf: Any) -> Any:
     return buf.view(np.bool_)[0]
 
 
+def _new_partials(n: int) -> Any:
+    return cupy.empty(n, dtype=np.float64)
+
+
+def _new_norm() -> Any:
+    return cupy.empty((), dtype=np.float32)
+
+
+def _capturing() -> bool:
+    return bool(cupy.cuda.get_current_stream().is_capturing())
+
+
+def _launch_groups(plan: _Plan, leaves: list[Any]) -> tuple[list[_Group], list[tuple[Any, Any]]]:
+    """The plan's groups plus those of contiguous copies of its strided leaves."""
+    copies = _strided_copies(leaves, plan)
+    groups = plan.groups + _strided_groups(plan.device, copies) if copies else plan.groups
+    if _capturing():
+        # A CUDA graph replays these launches with these table addresses: never free them.
+        _PINNED.extend(g.table for g in groups)
+    return groups, copies
+
+
+def _write_back(copies: list[tuple[Any, Any]]) -> None:
+    for leaf, copy in copies:
+        leaf.view(copy.dtype)[...] = copy
+
+
+@functools.cache
+def _copy_back_kernel() -> Any:
+    # Same-size uints, so no float arithmetic (nor -ftz) is involved.
+    return cupy.ElementwiseKernel(
+        "T src, bool skip", "T dst", "if (!skip) dst = src;", "sc_copy_back_unless_skipped"
+    )
+
+
+def _write_back_unless(skip: Any, copies: list[tuple[Any, Any]]) -> None:
+    """:func:`_write_back`, except on a skipped step (decided on the device): no write."""
+    for leaf, copy in copies:
+        _copy_back_kernel()(copy, skip, leaf.view(copy.dtype))
+
+
 def _launch(plan: _Plan, leaves: list[Any], scale: Any | None) -> Any:
     """Run unscale (``scale`` given) or detect over the plan; the 0-d device flag."""
     found = _new_flag()
-    copies = _strided_copies(leaves, plan)
-    groups = plan.groups + _strided_groups(plan.device, copies) if copies else plan.groups
-    if cupy.cuda.get_current_stream().is_capturing():
-        # A CUDA graph replays these launches with these table addresses: never free them.
-        _PINNED.extend(g.table for g in groups)
+    groups, copies = _launch_groups(plan, leaves)
     if scale is None:
         for g in groups:
             fn = _KERNELS.function(plan.device, "sc_detect_" + g.suffix)
@@ -374,9 +431,69 @@ def _launch(plan: _Plan, leaves: list[Any], scale: Any | None) -> Any:
         for g in groups:
             fn = _KERNELS.function(plan.device, "sc_unscale_" + g.suffix)
             fn((g.grid,), (_BLOCK,), (g.table, np.int32(g.n_chunks), scale_ptr, host_inv, found))
-        for leaf, copy in copies:
-            leaf.view(copy.dtype)[...] = copy
+        _write_back(copies)
     return _as_bool(found)
+
+
+def _launch_norm(plan: _Plan, groups: list[_Group], scale: Any, kernel: str) -> tuple[Any, Any]:
+    """One pass of ``kernel`` (``sc_unscale_norm_``: writes; ``sc_norm_``: reads only)
+    over the groups; the 0-d device flag and the 0-d float32 norm.
+
+    Each block writes its float64 sum of squares to its own slot of one buffer
+    (the groups' slots one after another), and ``sc_norm_finish`` adds the slots
+    up in a fixed order: the same gradients give the same bits on every run.
+    """
+    scale_ptr, host_inv = scale
+    found = _new_flag()
+    partials = _new_partials(sum(g.grid for g in groups))
+    start = 0
+    for g in groups:
+        fn = _KERNELS.function(plan.device, kernel + g.suffix)
+        slots = partials[start : start + g.grid]
+        fn((g.grid,), (_BLOCK,), (g.table, np.int32(g.n_chunks), scale_ptr, host_inv, found, slots))
+        start += g.grid
+    norm = _new_norm()
+    finish = _KERNELS.function(plan.device, "sc_norm_finish")
+    finish((1,), (_BLOCK,), (partials, np.int32(start), norm))
+    return _as_bool(found), norm
+
+
+def _launch_clip(plan: _Plan, groups: list[_Group], scale: Any, clip: tuple[Any, ...]) -> None:
+    """The clip pass; ``clip`` is ``(skip, norm, f32 max_norm)``, the first two read on
+    the device. On a skipped step every block returns at once: nothing is written."""
+    scale_ptr, host_inv = scale
+    for g in groups:
+        fn = _KERNELS.function(plan.device, "sc_clip_" + g.suffix)
+        fn((g.grid,), (_BLOCK,), (g.table, np.int32(g.n_chunks), scale_ptr, host_inv, *clip))
+
+
+def _max_norm_arg(max_norm: Any) -> np.float32:
+    """``f32(max_norm)`` for the clip kernel, validated (the shared rule of every backend)."""
+    if isinstance(max_norm, _NDARRAY):
+        # repr() of a device array would copy it to the host.
+        max_norm = _Shown(_describe(max_norm))
+    limit: np.float32 = np.float32(f32(max_norm_of(max_norm)))
+    return limit
+
+
+class _Shown:
+    """A value that reprs as a given text (a device array named without reading it)."""
+
+    __slots__ = ("text",)
+
+    def __init__(self, text: str) -> None:
+        self.text = text
+
+    def __repr__(self) -> str:
+        return self.text
+
+
+def _check_reduce(reduce: Any) -> None:
+    if reduce is not None and not callable(reduce):
+        raise InvalidArgumentError(
+            f"reduce={_describe(reduce)}, but it must be a callable that turns this call's "
+            f"flag into the step's decision flag (e.g. a found_reducer(comm)), or None"
+        )
 
 
 def _on_device(device: int) -> Any:
@@ -497,6 +614,62 @@ class CupyBackend:
         with _on_device(plan.device):
             return grads, _launch(plan, leaves, arg)
 
+    def unscale_norm(self, grads: Any, scale: Any) -> tuple[Any, Any, Any]:
+        """See :meth:`scaler_core.Backend.unscale_norm`: unscale's one pass, plus the norm.
+
+        One launch per dtype does unscale's reads, writes and detection and adds
+        up each block's float64 sum of squares; one more tiny launch adds the
+        blocks' sums in a fixed order (deterministic: no floating-point
+        atomics) and rounds the square root to float32. The norm is a 0-d
+        float32 CuPy array; nothing is read back.
+        """
+        arg = _scale_arg(scale)
+        plan, leaves = _plan(grads)
+        with _on_device(plan.device):
+            groups, copies = _launch_groups(plan, leaves)
+            found, norm = _launch_norm(plan, groups, arg, "sc_unscale_norm_")
+            _write_back(copies)
+            return grads, found, norm
+
+    def unscale_clip(
+        self,
+        grads: Any,
+        scale: Any,
+        max_norm: float,
+        reduce: Callable[[Any], Any] | None = None,
+    ) -> tuple[Any, Any, Any]:
+        """See :meth:`scaler_core.Backend.unscale_clip`: two reads, one write, no host sync.
+
+        The first launch per dtype reads every gradient and writes nothing (the
+        flag and the blocks' sums of squares); ``reduce``, if given, then gets
+        the flag as a 0-d device bool and must return one (or a host bool).
+        The clip launch reads that decision flag and the norm from device
+        memory: on a skipped step it returns at once, so nothing is written
+        (a non-contiguous leaf's copy is not written back either); otherwise it
+        stores unscale's value times PyTorch's clip coefficient, computed on the
+        GPU in float32.
+
+        Raises:
+            InvalidArgumentError: ``max_norm`` is not a positive, finite real
+                number in float32's range, or ``reduce`` is not callable (checked
+                after the scale's host-side checks, before any GPU work).
+            GradientTypeError: As :meth:`unscale`.
+            GradientValueError: As :meth:`unscale`.
+        """
+        _check_scale(scale)  # the order of the NumPy backend: scale, max_norm, leaves
+        limit = _max_norm_arg(max_norm)
+        _check_reduce(reduce)
+        arg = _scale_arg(scale)
+        plan, leaves = _plan(grads)
+        with _on_device(plan.device):
+            groups, copies = _launch_groups(plan, leaves)
+            found, norm = _launch_norm(plan, groups, arg, "sc_norm_")
+            if reduce is not None:
+                found = _device_flag(reduce(found), "reduce(found)")
+            _launch_clip(plan, groups, arg, (found, norm, limit))
+            _write_back_unless(found, copies)
+            return grads, found, norm
+
     def find_non_finite(self, grads: Any) -> Any:
         """See :meth:`scaler_core.Backend.find_non_finite`: one read-only pass."""
         plan, leaves = _plan(grads)
@@ -565,13 +738,19 @@ class CupyBackend:
             return bool(found)
         return bool(_device_flag(found).get())
 
-    def update(self, state: ScalerState, found: Any) -> ScalerState:
+    def update(self, state: ScalerState, found: Any, grad_norm: Any = None) -> ScalerState:
         """See :meth:`scaler_core.Backend.update`: the transition as device work.
 
         The result is a device state; a refused step is recorded in
         ``state.failure`` and raised at the first host-side look.
         """
-        return device_update(_XP, state, _device_flag(found, "found_non_finite"))
+        return device_update(_XP, state, _device_flag(found, "found_non_finite"), grad_norm)
+
+    def non_finite_leaves(self, grads: Any) -> tuple[Any, ...]:
+        """See :func:`scaler_core.non_finite_leaves`: counted on the GPU, one read back."""
+        from ._report import cupy_non_finite_leaves  # noqa: PLC0415 - loaded when asked for
+
+        return cupy_non_finite_leaves(grads)
 
 
 # ------------------------------------------------------------- multi-GPU

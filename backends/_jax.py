@@ -20,6 +20,7 @@ time.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -42,7 +43,16 @@ from scaler_core._state import (
     require_state,
 )
 
-from ._common import HALF_DTYPES, LeafKind, check_select_pair, flag_error, host_flag, inv_scale_of
+from ._common import (
+    CLIP_EPS,
+    HALF_DTYPES,
+    LeafKind,
+    check_select_pair,
+    flag_error,
+    host_flag,
+    inv_scale_of,
+    max_norm_of,
+)
 
 __all__ = [
     "BACKEND",
@@ -171,6 +181,34 @@ def _unscale_leaf(g: jax.Array, inv: jax.Array) -> jax.Array:
     return g * inv.astype(dtype)
 
 
+def _norm(out: list[Any]) -> jax.Array:
+    """The global L2 norm of the unscaled leaves, a float32 0-d array.
+
+    Squares are summed in float64 when ``jax_enable_x64`` is on (then within one
+    float32 ulp of the exact norm); without it XLA sums them in float32, in its
+    own tree order, within a few ulps. XLA fuses these reductions with the
+    unscale under ``jax.jit``, so the gradients are read once.
+    """
+    wide = jnp.float64 if jax.config.read("jax_enable_x64") else jnp.float32  # type: ignore[no-untyped-call]
+    if not out:
+        return jnp.zeros((), jnp.float32)
+    total = sum(jnp.sum(jnp.square(y.astype(wide))) for y in out)
+    return jnp.sqrt(total).astype(jnp.float32)
+
+
+def clip_factor(norm: jax.Array, max_norm: float) -> jax.Array:
+    """PyTorch's clip coefficient in its float32 steps, clamped at 1."""
+    coef = (jnp.float32(1.0) / (norm + CLIP_EPS)) * jnp.float32(max_norm)
+    return jnp.minimum(coef, jnp.float32(1.0))
+
+
+def _clip_leaf(u: jax.Array, coef: jax.Array) -> jax.Array:
+    dtype = np.dtype(u.dtype)
+    if dtype in HALF_DTYPES:
+        return (u.astype(jnp.float32) * coef).astype(dtype)
+    return u * coef.astype(dtype)
+
+
 def _flag(found: Any, what: str = "found") -> jax.Array:
     """``found`` as a 0-d boolean JAX array, or a clear error."""
     host = host_flag(found, what)
@@ -236,6 +274,37 @@ class JaxBackend:
         found = non_finite(leaves, None if is_one else inv, out)
         return jax.tree_util.tree_unflatten(treedef, out), found
 
+    def unscale_norm(self, grads: Any, scale: Any) -> tuple[Any, jax.Array, jax.Array]:
+        """See :meth:`scaler_core.Backend.unscale_norm`: a new tree, and the norm."""
+        inv, is_one = _inv_scale(scale)
+        leaves, treedef, _ = jax_leaves(grads)
+        out = leaves if is_one else [_unscale_leaf(g, inv) for g in leaves]
+        found = non_finite(leaves, None if is_one else inv, out)
+        return jax.tree_util.tree_unflatten(treedef, out), found, _norm(out)
+
+    def unscale_clip(
+        self,
+        grads: Any,
+        scale: Any,
+        max_norm: float,
+        reduce: Callable[[Any], Any] | None = None,
+    ) -> tuple[Any, jax.Array, jax.Array]:
+        """See :meth:`scaler_core.Backend.unscale_clip`: on a skipped step (decided on the
+        device), the very leaves given; else the unscaled leaves times the coefficient."""
+        limit = max_norm_of(max_norm)
+        inv, is_one = _inv_scale(scale)
+        leaves, treedef, _ = jax_leaves(grads)
+        unscaled = leaves if is_one else [_unscale_leaf(g, inv) for g in leaves]
+        found = non_finite(leaves, None if is_one else inv, unscaled)
+        norm = _norm(unscaled)
+        if reduce is not None:
+            found = _flag(reduce(found))
+        coef = clip_factor(norm, limit)
+        out = [
+            jnp.where(found, g, _clip_leaf(u, coef)) for g, u in zip(leaves, unscaled, strict=True)
+        ]
+        return jax.tree_util.tree_unflatten(treedef, out), found, norm
+
     def find_non_finite(self, grads: Any) -> jax.Array:
         """See :meth:`scaler_core.Backend.find_non_finite`."""
         leaves, _, _ = jax_leaves(grads)
@@ -294,7 +363,7 @@ class JaxBackend:
             )
         return bool(_flag(found))
 
-    def update(self, state: ScalerState, found: Any) -> ScalerState:
+    def update(self, state: ScalerState, found: Any, grad_norm: Any = None) -> ScalerState:
         """See :meth:`scaler_core.Backend.update`: the branch-free device transition.
 
         A failing step records ``state.failure`` instead of raising; the first
@@ -305,7 +374,13 @@ class JaxBackend:
                 without ``jax_enable_x64`` (it cannot form the float64 product).
         """
         require_float32_factors(require_state(state).config)
-        return device_update(jnp, state, _flag(found, "found_non_finite"))
+        return device_update(jnp, state, _flag(found, "found_non_finite"), grad_norm)
+
+    def non_finite_leaves(self, grads: Any) -> tuple[Any, ...]:
+        """See :func:`scaler_core.non_finite_leaves`: one read back; not inside ``jax.jit``."""
+        from ._report import jax_non_finite_leaves  # noqa: PLC0415 - loaded when asked for
+
+        return jax_non_finite_leaves(grads)
 
 
 BACKEND = JaxBackend()

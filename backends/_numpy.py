@@ -28,7 +28,7 @@ import operator
 import os
 import threading
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from types import ModuleType
 from typing import Any
 
@@ -37,8 +37,14 @@ import numpy as np
 
 from scaler_core._errors import BackendUnavailableError
 
-from ._common import inv_scale_of
-from ._numpy_reference import NumpyReferenceBackend, numpy_leaves
+from ._common import NORM_CHUNK, clip_coefficient, inv_scale_of, max_norm_of, norm_of_sums
+from ._numpy_reference import (
+    NumpyReferenceBackend,
+    chunk_sums,
+    clip_in_place,
+    numpy_leaves,
+    unscaled_copy,
+)
 
 __all__ = ["BACKEND", "ENV_FALLBACK", "REFERENCE", "NumpyBackend"]
 
@@ -120,7 +126,8 @@ class _Table:
 
     def __init__(self, dtype: np.dtype[Any], starts_sizes: list[tuple[int, int]]) -> None:
         addrs, sizes = np.array(starts_sizes, dtype=np.intp).reshape(-1, 2).T
-        per = max(1, _CHUNK_BYTES // dtype.itemsize)
+        # At most one norm chunk per item, so a table's items are the norm's chunks.
+        per = max(1, min(_CHUNK_BYTES // dtype.itemsize, NORM_CHUNK))
         pieces = (sizes + per - 1) // per
         starts = np.repeat(np.cumsum(pieces) - pieces, pieces)
         offset = (np.arange(int(pieces.sum()), dtype=np.intp) - starts) * per
@@ -449,6 +456,54 @@ class NumpyBackend(NumpyReferenceBackend):
                 return grads, np.bool_(_numba_detect(kernels, prepared))
             return grads, np.bool_(_numba_unscale(kernels, prepared, inv))
 
+    def unscale_norm(self, grads: Any, scale: Any) -> tuple[Any, np.bool_, np.float32]:
+        """See :meth:`scaler_core.Backend.unscale_norm`: one pass, reads and writes once."""
+        inv = inv_scale_of(scale)
+        prepared = self._prepare(grads, writable=True)
+        if _overlaps(prepared):
+            return REFERENCE.unscale_norm(grads, scale)
+        with np.errstate(all="ignore"):
+            found, sums = self._measure(prepared, inv, write=inv != 1.0)
+            return grads, np.bool_(found), norm_of_sums(sums)
+
+    def unscale_clip(
+        self,
+        grads: Any,
+        scale: Any,
+        max_norm: float,
+        reduce: Callable[[Any], Any] | None = None,
+    ) -> tuple[Any, Any, np.float32]:
+        """See :meth:`scaler_core.Backend.unscale_clip`: a read, then a write if stepping."""
+        inv = inv_scale_of(scale)
+        limit = max_norm_of(max_norm)
+        prepared = self._prepare(grads, writable=True)
+        if _overlaps(prepared):
+            return REFERENCE.unscale_clip(grads, scale, max_norm, reduce)
+        with np.errstate(all="ignore"):
+            found, sums = self._measure(prepared, inv, write=False)
+            norm = norm_of_sums(sums)
+            flag: Any = np.bool_(found)
+            if reduce is not None:
+                flag = reduce(flag)
+            if self.to_bool(flag):
+                return grads, flag, norm
+            coef = clip_coefficient(norm, limit)
+            if inv != 1.0 or coef != 1.0:  # else nothing would change: write nothing
+                _clip(self._resolve(), prepared, inv, coef)
+        return grads, flag, norm
+
+    def _measure(
+        self, prepared: _Plan | list[np.ndarray], inv: float, *, write: bool
+    ) -> tuple[bool, list[float]]:
+        """The flag and the chunks' sums of squares of the unscaled values (stored if
+        ``write``), by the numba kernels or the pure-NumPy code."""
+        kernels = self._resolve()
+        if kernels is None:
+            return _numpy_norm(_leaves(prepared), inv, write)
+        if isinstance(prepared, list):
+            return _numba_norm_arrays(kernels, prepared, inv, write)
+        return _numba_norm(kernels, prepared, inv, write)
+
     def find_non_finite(self, grads: Any) -> np.bool_:
         """See :meth:`scaler_core.Backend.find_non_finite`: reads each element once."""
         kernels = self._resolve()
@@ -599,6 +654,191 @@ def _half_unscale(flat: np.ndarray, inv: float, kernels: ModuleType | None) -> b
             else:
                 found = not _numpy_half_finite(bits, mask, scratch)
     return found
+
+
+# -- the norm and clipping ----------------------------------------------------
+
+
+def _overlaps(prepared: _Plan | list[np.ndarray]) -> bool:
+    """Whether two arrays share memory: those calls take the reference's code."""
+    if isinstance(prepared, _Plan):
+        return prepared.aliased
+    spans = sorted(
+        (_address(a), _address(a) + a.nbytes) if _is_block(a) else _bounds(a)
+        for a in prepared
+        if a.size
+    )
+    return any(prev[1] > cur[0] for prev, cur in itertools.pairwise(spans))
+
+
+def _strided_norm(g: np.ndarray, inv: float, write: bool) -> tuple[bool, list[float]]:
+    """The reference's own arithmetic for an array that is not one block."""
+    if write:
+        _reference_unscale(g, inv)
+        u = g
+    else:
+        u = unscaled_copy(g, inv)
+    return not bool(np.isfinite(u).all()), chunk_sums(u)
+
+
+def _half_norm(
+    flat: np.ndarray, inv: float, write: bool, kernels: ModuleType | None
+) -> tuple[bool, list[float]]:
+    """float16/bfloat16 a norm chunk at a time: NumPy's casts, then the squares of the
+    stored values (exact in float32) summed in float64."""
+    temp = np.empty(min(NORM_CHUNK, flat.size), np.float32)
+    factor, one = np.float32(inv), np.float32(1.0)
+    sums: list[float] = []
+    for lo in range(0, flat.size, NORM_CHUNK):
+        chunk = flat[lo : lo + NORM_CHUNK]
+        out = temp[: chunk.size]
+        np.multiply(chunk, factor, out=out, dtype=np.float32)
+        stored = out.astype(flat.dtype)
+        if write:
+            chunk[...] = stored
+        np.copyto(out, stored)  # exact: every half value is a float32
+        if kernels is not None:
+            sums.append(float(kernels.chunk_norm(out, one)[0]))
+        else:
+            wide = out.astype(np.float64)
+            sums.append(float(np.dot(wide, wide)))
+    # Squares of half values cannot overflow float64: a non-finite sum is a NaN/inf.
+    return not all(math.isfinite(s) for s in sums), sums
+
+
+def _numba_norm(k: ModuleType, plan: _Plan, inv: float, write: bool) -> tuple[bool, list[float]]:
+    found = False
+    sums: list[float] = []
+    parallel = _use_threads(plan.nbytes)
+    for dtype, table in plan.tables.items():
+        if dtype in _EXPONENT:
+            continue
+        parts = np.empty(table.addrs.size)
+        threads = parallel and table.addrs.size > 1
+        run = k.norm_items_parallel if threads else k.norm_items
+        with _PARALLEL_LOCK if threads else contextlib.nullcontext():
+            det = run(table.addrs, table.sizes, dtype.type(inv), table.like, write, parts)
+        found = found or math.isnan(det)
+        sums.extend(parts.tolist())
+    for flat in plan.halves:
+        hit, part = _half_norm(flat, inv, write, k)
+        found, sums = found or hit, sums + part
+    for g in plan.strided:
+        hit, part = _strided_norm(g, inv, write)
+        found, sums = found or hit, sums + part
+    return found, sums
+
+
+def _numba_norm_arrays(
+    k: ModuleType, leaves: list[np.ndarray], inv: float, write: bool
+) -> tuple[bool, list[float]]:
+    def block(flat: np.ndarray) -> tuple[bool, list[float]]:
+        parts = np.empty(-(-flat.size // NORM_CHUNK))
+        hit = math.isnan(k.norm_array(flat, flat.dtype.type(inv), write, parts, 0))
+        return hit, parts.tolist()
+
+    return _norm_leaves(leaves, inv, write, k, block)
+
+
+def _numpy_norm(leaves: list[np.ndarray], inv: float, write: bool) -> tuple[bool, list[float]]:
+    return _norm_leaves(leaves, inv, write, None, lambda f: _numpy_block_norm(f, inv, write))
+
+
+def _norm_leaves(
+    leaves: list[np.ndarray],
+    inv: float,
+    write: bool,
+    kernels: ModuleType | None,
+    block: Callable[[np.ndarray], tuple[bool, list[float]]],
+) -> tuple[bool, list[float]]:
+    """The flag and the chunks' sums, array by array: ``block`` for float32/float64
+    blocks, NumPy's casts for halves, the reference's arithmetic for strided arrays
+    (shared by the numba and pure-NumPy paths)."""
+    found = False
+    sums: list[float] = []
+    for g in leaves:
+        if g.size == 0:
+            continue
+        if not _is_block(g):
+            hit, part = _strided_norm(g, inv, write)
+        elif g.dtype in _EXPONENT:
+            hit, part = _half_norm(_flat(g), inv, write, kernels)
+        else:
+            hit, part = block(_flat(g))
+        found = found or hit
+        sums.extend(part)
+    return found, sums
+
+
+def _numpy_block_norm(flat: np.ndarray, inv: float, write: bool) -> tuple[bool, list[float]]:
+    factor = flat.dtype.type(inv)
+    wide = flat.dtype == _F64
+    temp = None if write else np.empty(min(NORM_CHUNK, flat.size), flat.dtype)
+    found = False
+    sums: list[float] = []
+    for lo in range(0, flat.size, NORM_CHUNK):
+        chunk = flat[lo : lo + NORM_CHUNK]
+        if temp is None:
+            u = np.multiply(chunk, factor, out=chunk)
+        else:
+            u = np.multiply(chunk, factor, out=temp[: chunk.size])
+        u64 = u if wide else u.astype(np.float64)
+        total = float(np.dot(u64, u64))
+        sums.append(total)
+        # float32 squares cannot overflow float64 (a non-finite sum is a NaN/inf);
+        # float64 squares can, so float64 is checked exactly.
+        found = found or (not _numpy_finite(u) if wide else not math.isfinite(total))
+    return found, sums
+
+
+def _clip(
+    kernels: ModuleType | None, prepared: _Plan | list[np.ndarray], inv: float, coef: np.float32
+) -> None:
+    """The second pass: store ``(x * inv) * coef`` (two roundings) in every element."""
+    if kernels is not None and isinstance(prepared, _Plan):
+        parallel = _use_threads(prepared.nbytes)
+        for dtype, table in prepared.tables.items():
+            if dtype in _EXPONENT:
+                continue
+            threads = parallel and table.addrs.size > 1
+            run = kernels.clip_items_parallel if threads else kernels.clip_items
+            with _PARALLEL_LOCK if threads else contextlib.nullcontext():
+                run(table.addrs, table.sizes, dtype.type(inv), dtype.type(coef), table.like)
+        _clip_rest(prepared.halves, prepared.strided, inv, coef)
+        return
+    leaves = _leaves(prepared)
+    halves = [_flat(g) for g in leaves if g.size and _is_block(g) and g.dtype in _EXPONENT]
+    strided = [g for g in leaves if g.size and not _is_block(g)]
+    for g in leaves:
+        if not g.size or not _is_block(g) or g.dtype in _EXPONENT:
+            continue
+        flat, factor, scale = _flat(g), g.dtype.type(inv), g.dtype.type(coef)
+        if kernels is not None:
+            kernels.clip_array(flat, factor, scale)
+            continue
+        for lo in range(0, flat.size, NORM_CHUNK):  # both products while the chunk is in cache
+            chunk = flat[lo : lo + NORM_CHUNK]
+            np.multiply(chunk, factor, out=chunk)
+            np.multiply(chunk, scale, out=chunk)
+    _clip_rest(halves, strided, inv, coef)
+
+
+def _clip_rest(
+    halves: Iterable[np.ndarray], strided: Iterable[np.ndarray], inv: float, coef: np.float32
+) -> None:
+    """Clipping of half-precision blocks (NumPy's casts) and of strided arrays."""
+    factor = np.float32(inv)
+    for flat in halves:
+        temp = np.empty(min(NORM_CHUNK, flat.size), np.float32)
+        for lo in range(0, flat.size, NORM_CHUNK):
+            chunk = flat[lo : lo + NORM_CHUNK]
+            out = temp[: chunk.size]
+            np.multiply(chunk, factor, out=out, dtype=np.float32)
+            stored = out.astype(flat.dtype)
+            np.multiply(stored, coef, out=out, dtype=np.float32)
+            chunk[...] = out
+    for g in strided:
+        clip_in_place(g, unscaled_copy(g, inv), coef)
 
 
 # -- the pure-NumPy path ------------------------------------------------------

@@ -7,6 +7,7 @@ answer for (overlapping arrays).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -15,9 +16,28 @@ from scaler_core._errors import GradientValueError
 from scaler_core._state import ScalerState, host_update, require_state
 from scaler_core._tree import leaves_with_paths, map_pairs
 
-from ._common import HALF_DTYPES, LeafKind, check_select_pair, flag_error, host_flag, inv_scale_of
+from ._common import (
+    HALF_DTYPES,
+    NORM_CHUNK,
+    LeafKind,
+    check_select_pair,
+    clip_coefficient,
+    flag_error,
+    host_flag,
+    inv_scale_of,
+    max_norm_of,
+    norm_of_sums,
+)
 
-__all__ = ["BACKEND", "LEAVES", "NumpyReferenceBackend", "numpy_leaves"]
+__all__ = [
+    "BACKEND",
+    "LEAVES",
+    "NumpyReferenceBackend",
+    "chunk_sums",
+    "clip_in_place",
+    "numpy_leaves",
+    "unscaled_copy",
+]
 
 #: NumPy gradient leaves: plain arrays (and memory maps, plain buffers on a file).
 LEAVES = LeafKind(
@@ -59,6 +79,34 @@ def _all_finite(a: np.ndarray) -> bool:
     return bool(np.isfinite(a).all())
 
 
+def chunk_sums(u: np.ndarray) -> list[float]:
+    """The float64 sums of squares of ``u``'s elements, in memory order, a chunk each.
+
+    Chunks are :data:`NORM_CHUNK` elements; the norm is the exact sum of these sums
+    (:func:`norm_of_sums`), so only the order within a chunk is the summing code's.
+    """
+    flat = np.ravel(u, order="K").astype(np.float64)
+    return [float(np.dot(c, c)) for c in np.split(flat, range(NORM_CHUNK, flat.size, NORM_CHUNK))]
+
+
+def unscaled_copy(g: np.ndarray, inv: float) -> np.ndarray:
+    """What :meth:`NumpyReferenceBackend.unscale` would store in ``g``, as a new array."""
+    if g.dtype in HALF_DTYPES:
+        out: np.ndarray = np.multiply(g, np.float32(inv), dtype=np.float32).astype(g.dtype)
+    else:
+        out = np.multiply(g, g.dtype.type(inv))
+    return out
+
+
+def clip_in_place(g: np.ndarray, u: np.ndarray, coef: np.float32) -> None:
+    """Store ``u * coef`` in ``g``: computed in float32 (float64 for float64), rounded to
+    ``g``'s dtype, as PyTorch's ``_foreach_mul_`` of the unscaled gradient does."""
+    if g.dtype in HALF_DTYPES:
+        g[...] = np.multiply(u, coef, dtype=np.float32)
+    else:
+        np.multiply(u, g.dtype.type(coef), out=g)
+
+
 class NumpyReferenceBackend:
     """Unscale and detection for NumPy arrays, plainly. The flag is a ``numpy.bool_``."""
 
@@ -80,6 +128,37 @@ class NumpyReferenceBackend:
                 if not found and not _all_finite(g):
                     found = True
         return grads, np.bool_(found)
+
+    def unscale_norm(self, grads: Any, scale: Any) -> tuple[Any, np.bool_, np.float32]:
+        """See :meth:`scaler_core.Backend.unscale_norm`: unscale, then sum the stored squares."""
+        grads, found = self.unscale(grads, scale)
+        leaves = numpy_leaves(grads, writable=True)
+        return grads, found, norm_of_sums(s for _, g in leaves for s in chunk_sums(g))
+
+    def unscale_clip(
+        self,
+        grads: Any,
+        scale: Any,
+        max_norm: float,
+        reduce: Callable[[Any], Any] | None = None,
+    ) -> tuple[Any, Any, np.float32]:
+        """See :meth:`scaler_core.Backend.unscale_clip`: copies first, then write if stepping."""
+        inv = inv_scale_of(scale)
+        limit = max_norm_of(max_norm)
+        leaves = numpy_leaves(grads, writable=True)
+        with np.errstate(over="ignore", invalid="ignore"):
+            unscaled = [unscaled_copy(g, inv) for _, g in leaves]
+            found: Any = np.bool_(not all(_all_finite(u) for u in unscaled))
+            norm = norm_of_sums(s for u in unscaled for s in chunk_sums(u))
+            if reduce is not None:
+                found = reduce(found)
+            if self.to_bool(found):
+                return grads, found, norm
+            coef = clip_coefficient(norm, limit)
+            if inv != 1.0 or coef != 1.0:  # else nothing would change: write nothing
+                for (_, g), u in zip(leaves, unscaled, strict=True):
+                    clip_in_place(g, u, coef)
+        return grads, found, norm
 
     def find_non_finite(self, grads: Any) -> np.bool_:
         """See :meth:`scaler_core.Backend.find_non_finite`."""
@@ -118,11 +197,17 @@ class NumpyReferenceBackend:
             raise flag_error("found", repr(found))
         return flag
 
-    def update(self, state: ScalerState, found: Any) -> ScalerState:
+    def update(self, state: ScalerState, found: Any, grad_norm: Any = None) -> ScalerState:
         """See :meth:`scaler_core.Backend.update`: the host transition."""
         if not require_state(state).on_host:
             state = state.to_host()
-        return host_update(state, self.to_bool(found))
+        return host_update(state, self.to_bool(found), grad_norm)
+
+    def non_finite_leaves(self, grads: Any) -> tuple[Any, ...]:
+        """See :func:`scaler_core.non_finite_leaves`: counted on the bits, nothing modified."""
+        from ._report import numpy_non_finite_leaves  # noqa: PLC0415 - _report imports this module
+
+        return numpy_non_finite_leaves(grads)
 
 
 BACKEND = NumpyReferenceBackend()

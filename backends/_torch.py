@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import ml_dtypes
@@ -40,7 +40,15 @@ from scaler_core._f32 import FLT_MIN
 from scaler_core._state import ScalerState, device_update, require_state
 from scaler_core._tree import leaves_with_paths, map_pairs
 
-from ._common import LeafKind, check_select_pair, flag_error, host_flag, inv_scale_of
+from ._common import (
+    CLIP_EPS,
+    LeafKind,
+    check_select_pair,
+    flag_error,
+    host_flag,
+    inv_scale_of,
+    max_norm_of,
+)
 
 __all__ = [
     "BACKEND",
@@ -210,9 +218,10 @@ def check_for_fused(
 
 def _non_finite(tensors: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:
     """Whether any element of ``tensors`` is NaN or inf: one read, a 0-d bool on ``device``."""
+    tensors = [t for t in tensors if t.numel()]  # an empty tensor has no max norm
     if not tensors:
         return torch.zeros((), dtype=torch.bool, device=device)
-    norms = torch._foreach_norm(list(tensors), math.inf)  # max |x|: NaN or inf propagate
+    norms = torch._foreach_norm(tensors, math.inf)  # max |x|: NaN or inf propagate
     # Each norm tested in its own dtype: a float64 norm cast to float32 could overflow.
     return ~torch.stack([torch.isfinite(n) for n in norms]).all()
 
@@ -300,6 +309,52 @@ class TorchNamespace:
 
 
 # ---------------------------------------------------------------- the backend
+def _host_scale(scale: Any) -> float | None:
+    """The scale as a float when it is one on the host (a float, a CPU tensor), else None."""
+    if isinstance(scale, torch.Tensor):
+        return float(scale.detach().reshape(()).float()) if scale.device.type == "cpu" else None
+    return float(scale)
+
+
+def _numpy_view(t: torch.Tensor) -> np.ndarray:
+    """A NumPy view of a CPU tensor's memory (bfloat16 through its int16 bits)."""
+    t = t.detach()
+    if t.dtype is torch.bfloat16:
+        return t.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
+    return t.numpy()
+
+
+def _on_host(values: Sequence[torch.Tensor], scale: Any) -> float | None:
+    """The host scale when every gradient is a dense CPU tensor: then the NumPy kernels
+    serve, on views of the tensors' memory (one pass for the norm, and no write on a
+    skipped step). ``None`` otherwise."""
+    if not all(v.device.type == "cpu" and v.layout is torch.strided for v in values):
+        return None
+    return _host_scale(scale)
+
+
+def _device_norm(values: Sequence[torch.Tensor], default: torch.device) -> torch.Tensor:
+    """The global L2 norm of ``values``, accumulated in float64, as a float32 0-d tensor."""
+    if not values:
+        return torch.zeros((), dtype=torch.float32, device=default)
+    per_device: dict[torch.device, list[torch.Tensor]] = defaultdict(list)
+    for v in values:
+        per_device[v.device].append(v)
+    squares = [
+        torch.stack(torch._foreach_norm(group, 2, dtype=torch.float64)).square().sum().to(default)
+        for group in per_device.values()
+    ]
+    return torch.stack(squares).sum().sqrt().float()
+
+
+def clip_factor(norm: torch.Tensor, max_norm: float, skip: torch.Tensor) -> torch.Tensor:
+    """PyTorch's clip coefficient in its float32 steps, clamped at 1; 1 where ``skip``."""
+    denominator = norm.float() + float(CLIP_EPS)
+    coef = denominator.reciprocal() * float(np.float32(max_norm))
+    coef = torch.clamp(coef, max=1.0)
+    return torch.where(skip.to(coef.device), torch.ones_like(coef), coef)
+
+
 def _flag(found: Any, what: str = "found") -> torch.Tensor:
     if isinstance(found, torch.Tensor):
         if found.shape == () and found.dtype == torch.bool:
@@ -338,6 +393,70 @@ class TorchBackend:
         if replaced:
             grads = map_pairs(lambda _, a, b: replaced.get(id(b), b), grads, grads, "grads")
         return grads, flag
+
+    def unscale_norm(self, grads: Any, scale: Any) -> tuple[Any, torch.Tensor, torch.Tensor]:
+        """See :meth:`scaler_core.Backend.unscale_norm`.
+
+        On CPU the NumPy kernels do it in one pass, on views of the tensors' memory.
+        Elsewhere PyTorch's unscale kernel, then ``_foreach_norm`` in float64 (a second
+        read: PyTorch has no fused kernel for both).
+        """
+        inverse_scale(scale)  # validates the scale, as unscale() does
+        values = [_values(t) for _, t in _leaves(grads)]
+        host = _on_host(values, scale)
+        if host is not None and not any(t.is_sparse for _, t in _leaves(grads)):
+            from ._numpy import BACKEND as NUMPY  # noqa: PLC0415 - loaded with its kernels
+
+            _, found, norm = NUMPY.unscale_norm([_numpy_view(v) for v in values], host)
+            return grads, torch.tensor(bool(found)), torch.tensor(float(norm))
+        grads, flag = self.unscale(grads, scale)
+        values = [_values(t) for _, t in _leaves(grads)]
+        return grads, flag, _device_norm(values, flag.device)
+
+    def unscale_clip(
+        self,
+        grads: Any,
+        scale: Any,
+        max_norm: float,
+        reduce: Callable[[Any], Any] | None = None,
+    ) -> tuple[Any, torch.Tensor, torch.Tensor]:
+        """See :meth:`scaler_core.Backend.unscale_clip`.
+
+        On CPU (dense tensors) the NumPy kernels: one read, then one write unless the
+        step is skipped. On an accelerator: :meth:`unscale_norm`, then one
+        ``_foreach_mul_`` by the coefficient (1 on a skipped step, decided on the
+        device): three reads and two writes, and a skipped step's gradients are left
+        unscaled, as ``unscale_`` leaves them.
+        """
+        limit = max_norm_of(max_norm)
+        inverse_scale(scale)
+        leaves = _leaves(grads)
+        values = [_values(t) for _, t in leaves]
+        host = _on_host(values, scale)
+        if host is not None and not any(t.is_sparse for _, t in leaves):
+            from ._numpy import BACKEND as NUMPY  # noqa: PLC0415 - loaded with its kernels
+
+            decided: list[torch.Tensor] = []
+
+            def decide(found: Any) -> Any:
+                flag = torch.tensor(bool(found))
+                if reduce is not None:
+                    flag = reduce(flag)
+                decided.append(flag)
+                return np.bool_(self.to_bool(flag))
+
+            views = [_numpy_view(v) for v in values]
+            _, _, host_norm = NUMPY.unscale_clip(views, host, limit, decide)
+            return grads, decided[0], torch.tensor(float(host_norm))
+        grads, flag, norm = self.unscale_norm(grads, scale)
+        if reduce is not None:
+            flag = reduce(flag)
+        values = [_values(t) for _, t in _leaves(grads)]
+        coef = clip_factor(norm, limit, _flag(flag))
+        for device, by_dtype in _buckets(values).items():
+            for tensors in by_dtype.values():
+                torch._foreach_mul_(tensors, coef.to(device, non_blocking=True))
+        return grads, flag, norm
 
     def find_non_finite(self, grads: Any) -> torch.Tensor:
         """See :meth:`scaler_core.Backend.find_non_finite`: one read, nothing written."""
@@ -385,7 +504,7 @@ class TorchBackend:
         """See :meth:`scaler_core.Backend.to_bool`: the one host synchronisation."""
         return bool(_flag(found).item())
 
-    def update(self, state: ScalerState, found: Any) -> ScalerState:
+    def update(self, state: ScalerState, found: Any, grad_norm: Any = None) -> ScalerState:
         """See :meth:`scaler_core.Backend.update`: the transition as device work.
 
         A refused step is recorded in ``state.failure`` and raised at the first
@@ -394,7 +513,13 @@ class TorchBackend:
         flag = _flag(found, "found_non_finite")
         scale = require_state(state).scale
         device = scale.device if isinstance(scale, torch.Tensor) else flag.device
-        return device_update(TorchNamespace(device), state, flag.to(device))
+        return device_update(TorchNamespace(device), state, flag.to(device), grad_norm)
+
+    def non_finite_leaves(self, grads: Any) -> tuple[Any, ...]:
+        """See :func:`scaler_core.non_finite_leaves`: one read back per device."""
+        from ._report import torch_non_finite_leaves  # noqa: PLC0415 - loaded when asked for
+
+        return torch_non_finite_leaves(grads)
 
 
 def _default_device(scale: Any) -> torch.device:

@@ -17,6 +17,8 @@
 #     pytest-jax.{log,xml}     JAX backend tests on the GPU
 #     bench_gpu-SET.json       benchmark results per set
 #     summary.json             stage results, test counts, benchmark goals
+#   and at the end everything but these two is packed into details.tar.gz (so a device
+#   run brings back three files).
 # Exit status: 0 when every test passed and the benchmarks ran, 1 otherwise.
 set -u -o pipefail
 
@@ -158,6 +160,9 @@ stage bench-2000x1024 60 - "$PY" -P benchmarks/bench_gpu.py --sets 2000x1024 --n
 # against CuPy's through DLPack); printed into gpu_check.log only.
 stage bench-torch-cuda 90 - "$PY" -P benchmarks/bench_torch.py --device cuda --reps 15 \
     --cycle-reps 101 || OK=0
+# Unscale + detect + clip: PyTorch's unscale_ + clip_grad_norm_(foreach=True) against
+# scaler-core's unscale_and_clip on CuPy views of the same memory; gpu_check.log only.
+stage bench-clip-cuda 60 - "$PY" -P benchmarks/bench_clip.py --device cuda --reps 15 || OK=0
 
 # ------------------------------------------------------------------ JAX tests
 mapfile -t jax_tests < <(ls tests/*/test_jax*.py tests/integrations/test_optax.py 2>/dev/null)
@@ -256,6 +261,11 @@ else:
 sys.exit(0 if ok else 1)
 PY
 RC=$?
+# At most three files come back from a device run: pack the details into one archive.
+(cd "$OUT" && find . -maxdepth 1 -type f ! -name gpu_check.log ! -name summary.json \
+    ! -name details.tar.gz -printf '%P\n' | tar -czf details.tar.gz -T - &&
+    find . -maxdepth 1 -type f ! -name gpu_check.log ! -name summary.json \
+        ! -name details.tar.gz -delete)
 # Let tee write the last lines to the log before the caller collects OUTDIR.
 exec 1>&- 2>&-
 wait "$TEE_PID" 2>/dev/null || sleep 1

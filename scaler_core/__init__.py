@@ -39,7 +39,13 @@ if not _os.path.isdir(_os.path.join(_HERE, "backends")) and _os.path.isfile(
     del _spec, _sys, _util
 del _HERE, _CHECKOUT_BACKENDS, _os
 
-from ._api import find_non_finite, unscale, update  # noqa: E402
+from ._api import (  # noqa: E402
+    find_non_finite,
+    unscale,
+    unscale_and_clip,
+    unscale_and_norm,
+    update,
+)
 from ._backend import (  # noqa: E402
     Backend,
     available_backends,
@@ -67,8 +73,9 @@ from ._errors import (  # noqa: E402
     SkipLimitError,
     TraceError,
 )
-from ._lifecycle import GradScaler, StepPhase  # noqa: E402
+from ._lifecycle import GradScaler, StepPhase, StepReport  # noqa: E402
 from ._presets import PRESETS, PresetInfo, preset  # noqa: E402
+from ._report import LeafReport, non_finite_leaves  # noqa: E402
 from ._serialize import (  # noqa: E402
     from_dict,
     from_torch_state_dict,
@@ -92,6 +99,7 @@ __all__ = [  # noqa: RUF022 - plain sorted(), which tests/core/test_public_api.p
     "InvalidConfigError",
     "InvalidGradientError",
     "InvalidStateError",
+    "LeafReport",
     "LifecycleError",
     "MissingDependencyError",
     "PRESETS",
@@ -106,6 +114,7 @@ __all__ = [  # noqa: RUF022 - plain sorted(), which tests/core/test_public_api.p
     "SkipLimitError",
     "StepKind",
     "StepPhase",
+    "StepReport",
     "TraceError",
     "available_backends",
     "backend_for",
@@ -116,10 +125,13 @@ __all__ = [  # noqa: RUF022 - plain sorted(), which tests/core/test_public_api.p
     "from_torch_state_dict",
     "get_backend",
     "init",
+    "non_finite_leaves",
     "preset",
     "register_backend",
     "to_dict",
     "to_torch_state_dict",
     "unscale",
+    "unscale_and_clip",
+    "unscale_and_norm",
     "update",
 ]

@@ -5,12 +5,19 @@ from __future__ import annotations
 from typing import Any
 
 from ._backend import Backend, backend_for, resolve_backend
-from ._state import ScalerState, host_flag, host_update, require_state
+from ._state import (
+    ScalerState,
+    host_flag,
+    host_norm,
+    host_update,
+    norm_missing_error,
+    require_state,
+)
 
-__all__ = ["find_non_finite", "unscale", "update"]
+__all__ = ["find_non_finite", "unscale", "unscale_and_clip", "unscale_and_norm", "update"]
 
 
-def update(state: ScalerState, found_non_finite: Any) -> ScalerState:
+def update(state: ScalerState, found_non_finite: Any, grad_norm: Any = None) -> ScalerState:
     """Advance the scaler by one step. Pure: ``state`` is never modified.
 
     In plain words: a step with non-finite gradients is skipped; the growth
@@ -23,16 +30,27 @@ def update(state: ScalerState, found_non_finite: Any) -> ScalerState:
     that would leave the scale 0, subnormal or non-finite, or pass a fail-closed
     limit, is refused.
 
-    With a host flag (``bool``, NumPy bool) and a host state the transition runs
-    in Python and raises on a refused step. With a device flag or state (CuPy,
-    JAX, also inside ``jax.jit``) it runs on the device with no host
-    synchronisation and records a refusal in ``state.failure``; the first
-    host-side look (:meth:`ScalerState.check`, :meth:`ScalerState.current_scale`,
+    With spike skipping on (``spike_threshold=k``), a step with finite gradients
+    whose ``grad_norm`` lies more than ``k`` standard deviations above the mean
+    of the last ``spike_window`` steps' norms is skipped too (a spike), without
+    backing off the scale or counting towards growth; every step with finite
+    gradients and a finite norm moves the window's statistics (see
+    :mod:`scaler_core._state` for the exact float32 formulas).
+
+    With a host flag (``bool``, NumPy bool), a host norm (a number, a NumPy
+    float) and a host state the transition runs in Python and raises on a
+    refused step. With a device flag, norm or state (CuPy, JAX, also inside
+    ``jax.jit``) it runs on the device with no host synchronisation and records
+    a refusal in ``state.failure``; the first host-side look
+    (:meth:`ScalerState.check`, :meth:`ScalerState.current_scale`,
     :func:`to_dict`) raises it.
 
     Args:
         state: The current state.
         found_non_finite: Whether any gradient of this step was NaN or inf.
+        grad_norm: This step's global gradient norm (the norm returned by
+            ``unscale_and_norm()`` or ``unscale_and_clip()``). Needed when the config
+            has ``spike_threshold`` set; ignored otherwise.
 
     Returns:
         The next state.
@@ -41,8 +59,10 @@ def update(state: ScalerState, found_non_finite: Any) -> ScalerState:
         ScaleCollapseError: (host) The step would collapse the scale, or back
             off at a floor configured with ``at_min_scale="raise"``.
         SkipLimitError: (host) The step would pass ``max_consecutive_skips``.
-        GradientTypeError: ``found_non_finite`` is not a boolean flag.
-        InvalidArgumentError: ``state`` is not a :class:`ScalerState`.
+        GradientTypeError: ``found_non_finite`` is not a boolean flag, or
+            ``grad_norm`` is not a real number or a 0-d float array.
+        InvalidArgumentError: ``state`` is not a :class:`ScalerState`, or
+            ``spike_threshold`` is set and ``grad_norm`` is None.
 
     >>> from scaler_core import ScalerConfig, init
     >>> s = init(ScalerConfig(growth_interval=2))
@@ -51,15 +71,30 @@ def update(state: ScalerState, found_non_finite: Any) -> ScalerState:
     (131072.0, 0)
     >>> update(s, True).scale
     65536.0
+    >>> s = init(ScalerConfig(spike_threshold=3.0, spike_window=4))
+    >>> for norm in (1.0, 1.2, 0.8, 1.0):
+    ...     s = update(s, False, grad_norm=norm)
+    >>> s = update(s, False, grad_norm=50.0)
+    >>> s.last_step, s.skipped_steps, s.scale
+    (<StepKind.SPIKE_SKIP: 'spike_skip'>, 1, 65536.0)
     """
+    cfg = require_state(state).config
+    spiking = cfg.spike_threshold is not None
+    if spiking and grad_norm is None:
+        raise norm_missing_error(cfg)
     flag = host_flag(found_non_finite)
-    if flag is not None and require_state(state).on_host:
-        return host_update(state, flag)
+    norm_on_host = not spiking or host_norm(grad_norm) is not None
+    if flag is not None and norm_on_host and state.on_host:
+        return host_update(state, flag, grad_norm if spiking else None)
     if flag is None:
         backend = backend_for(found_non_finite, root="found_non_finite")
+    elif not norm_on_host:
+        backend = backend_for(grad_norm, root="grad_norm")
     else:
         backend = backend_for(state.scale, root="state.scale")
-    return backend.update(state, found_non_finite)
+    if not spiking:  # backends written before spike skipping take two arguments
+        return backend.update(state, found_non_finite)
+    return backend.update(state, found_non_finite, grad_norm)
 
 
 def unscale(
@@ -87,6 +122,64 @@ def unscale(
     if isinstance(scale, ScalerState):
         scale = scale.scale
     return resolve_backend(backend, grads).unscale(grads, scale)
+
+
+def unscale_and_norm(
+    grads: Any, scale: float | Any | ScalerState, *, backend: str | Backend | None = None
+) -> tuple[Any, Any, Any]:
+    """:func:`unscale`, plus the global L2 norm of the unscaled gradients, in one pass.
+
+    The norm (float32, kept on the device) is accumulated in float64 and rounded
+    once: within one float32 ulp of the exact norm, and NaN or inf when ``found``
+    is true. See :meth:`Backend.unscale_norm`.
+
+    Returns:
+        ``(grads, found, norm)``.
+
+    >>> import numpy as np
+    >>> g = {"w": np.array([6.0, 8.0], np.float32)}
+    >>> _, found, norm = unscale_and_norm(g, 2.0)
+    >>> g["w"].tolist(), bool(found), float(norm)
+    ([3.0, 4.0], False, 5.0)
+    """
+    if isinstance(scale, ScalerState):
+        scale = scale.scale
+    return resolve_backend(backend, grads).unscale_norm(grads, scale)
+
+
+def unscale_and_clip(
+    grads: Any,
+    scale: float | Any | ScalerState,
+    max_norm: float,
+    *,
+    backend: str | Backend | None = None,
+) -> tuple[Any, Any, Any]:
+    """Unscale, detect and clip to ``max_norm`` in two reads and one write, or leave alone.
+
+    One read gives the flag and the norm of the unscaled gradients; when the step
+    is skipped (``found``), nothing is written and the gradients keep their scaled
+    values; otherwise one more pass stores each unscaled value times PyTorch's
+    ``clip_grad_norm_`` coefficient, ``min(1, max_norm / (norm + 1e-6))`` formed in
+    float32 as PyTorch forms it. Equivalent to ``unscale`` then
+    ``torch.nn.utils.clip_grad_norm_(params, max_norm)``, for a step that is taken.
+    See :meth:`Backend.unscale_clip`.
+
+    Returns:
+        ``(grads, found, norm)``: ``norm`` is the norm before clipping, as
+        ``clip_grad_norm_`` returns it.
+
+    Raises:
+        InvalidArgumentError: ``max_norm`` is not a positive finite number.
+
+    >>> import numpy as np
+    >>> g = {"w": np.array([6.0, 8.0], np.float32)}
+    >>> _, found, norm = unscale_and_clip(g, 2.0, max_norm=1.0)
+    >>> [round(v, 6) for v in g["w"].tolist()], bool(found), float(norm)
+    ([0.6, 0.8], False, 5.0)
+    """
+    if isinstance(scale, ScalerState):
+        scale = scale.scale
+    return resolve_backend(backend, grads).unscale_clip(grads, scale, max_norm)
 
 
 def find_non_finite(grads: Any, *, backend: str | Backend | None = None) -> Any:

@@ -69,6 +69,64 @@ class Backend(Protocol):
         """
         ...
 
+    def unscale_norm(self, grads: Any, scale: Any) -> tuple[Any, Any, Any]:
+        """:meth:`unscale`, and the global L2 norm of the unscaled gradients, in one pass.
+
+        The gradients and the flag are exactly :meth:`unscale`'s. The norm is the
+        square root of the sum of squares of every element *as stored after
+        unscaling*, accumulated in float64 and rounded once to float32: it equals
+        the exactly rounded norm to within one float32 unit in the last place
+        (ulp), and is NaN or inf whenever the flag is true (it can also be inf
+        with the flag false, when the norm itself passes float32's largest value).
+        It stays on the device (NumPy: a ``numpy.float32``; others: a 0-d float32
+        array), so no host synchronisation happens.
+
+        Returns:
+            ``(grads, found, norm)``.
+
+        Raises:
+            The errors of :meth:`unscale`, before anything is modified.
+        """
+        ...
+
+    def unscale_clip(
+        self,
+        grads: Any,
+        scale: Any,
+        max_norm: float,
+        reduce: Callable[[Any], Any] | None = None,
+    ) -> tuple[Any, Any, Any]:
+        """Unscale, detect and clip to ``max_norm``: two reads and one write at most.
+
+        First one read of every gradient gives the flag and the norm of the
+        unscaled values (both as :meth:`unscale_norm` computes them) without
+        writing anything. The flag is then passed through ``reduce`` when given
+        (the facade ORs in its other groups and replicas there): that is the skip
+        decision. On a skipped step nothing is written, so the gradients keep
+        their scaled values. Otherwise one more pass stores, for every element
+        ``u`` that :meth:`unscale` would store, ``u * coef`` rounded to the
+        element's dtype, with PyTorch's ``clip_grad_norm_`` coefficient computed
+        in float32: ``coef = min(1, f32(1 / f32(norm + f32(1e-6))) * f32(max_norm))``
+        (float16/bfloat16 computed in float32, float64 in float64). With
+        ``coef == 1`` that is exactly :meth:`unscale`'s result.
+
+        Args:
+            grads: As for :meth:`unscale`.
+            scale: As for :meth:`unscale`.
+            max_norm: A positive, finite real number.
+            reduce: Turns this call's flag into the step's decision flag.
+
+        Returns:
+            ``(grads, found, norm)``: ``found`` is the decision flag (after
+            ``reduce``), ``norm`` the norm before clipping (what PyTorch's
+            ``clip_grad_norm_`` returns).
+
+        Raises:
+            The errors of :meth:`unscale`, and ``InvalidArgumentError`` for a bad
+            ``max_norm``, before anything is modified.
+        """
+        ...
+
     def find_non_finite(self, grads: Any) -> Any:
         """Detection alone, for static-scale and bfloat16 training: the flag only.
 
@@ -98,11 +156,16 @@ class Backend(Protocol):
         """The flag as a Python bool: the one deliberate host synchronisation."""
         ...
 
-    def update(self, state: ScalerState, found: Any) -> ScalerState:
+    def update(self, state: ScalerState, found: Any, grad_norm: Any = None) -> ScalerState:
         """One transition of ``state`` (see :func:`scaler_core.update`).
 
         Host backends raise on a failing step; device backends record the
-        failure in the state without a host synchronisation.
+        failure in the state without a host synchronisation. ``grad_norm`` is
+        the step's global gradient norm (a number, or a 0-d float array of this
+        library), for spike skipping: pass it on to the transition
+        (``host_update`` / ``device_update``). :func:`scaler_core.update` passes
+        it only when the config has ``spike_threshold`` set, so a backend whose
+        ``update`` takes two arguments keeps working without spike skipping.
         """
         ...
 

@@ -15,7 +15,7 @@ from typing import Any, Literal
 from ._errors import InvalidConfigError
 from ._f32 import FLT_MAX, FLT_MIN, INT32_MAX, f32
 
-__all__ = ["AtMaxScale", "AtMinScale", "HysteresisRefill", "ScalerConfig"]
+__all__ = ["SPIKE_WINDOW_MAX", "AtMaxScale", "AtMinScale", "HysteresisRefill", "ScalerConfig"]
 
 AtMinScale = Literal["hold", "raise"]
 AtMaxScale = Literal["block", "clamp"]
@@ -24,6 +24,14 @@ HysteresisRefill = Literal["on_growth", "on_clean_step", "on_clean_step_or_backo
 _AT_MIN_SCALE = ("hold", "raise")
 _AT_MAX_SCALE = ("block", "clamp")
 _HYSTERESIS_REFILL = ("on_growth", "on_clean_step", "on_clean_step_or_backoff")
+
+#: The longest spike window: every count up to it is exact in float32, so the
+#: weight ``1 / n`` is the same float32 on the host and on every device.
+SPIKE_WINDOW_MAX = 2**24
+#: The range of spike thresholds whose square is a normal float32 (so that
+#: ``k**2 * variance`` never turns a zero variance into NaN).
+_SPIKE_LOW = 1.1e-19
+_SPIKE_HIGH = 1.8e19
 
 
 def _fail(name: str, value: object, must: str) -> InvalidConfigError:
@@ -42,11 +50,11 @@ def _real(name: str, value: object, must: str) -> float:
     return out
 
 
-def _int(name: str, value: object, low: int, must: str) -> int:
+def _int(name: str, value: object, low: int, must: str, high: int = INT32_MAX) -> int:
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         raise _fail(name, value, must)
     out = int(value)
-    if not low <= out <= INT32_MAX:
+    if not low <= out <= high:
         raise _fail(name, value, must)
     return out
 
@@ -120,6 +128,16 @@ class ScalerConfig:
             step past it fails closed with :class:`SkipLimitError`.
         dynamic: ``False`` holds the scale at ``init_scale`` forever (a static
             scale) while non-finite gradients are still detected and skipped.
+        spike_threshold: Spike skipping (off by default, ``None``): ``k``, the
+            number of standard deviations above the rolling mean of recent
+            gradient norms past which a step is skipped (OLMo-core's
+            ``SkipStepAdamW``, levanter's skip-step option). A finite number
+            > 0 whose square is a normal float32. Needs the step's gradient norm
+            in :func:`scaler_core.update` (``grad_norm=``).
+        spike_window: How many recent steps the rolling statistics follow
+            (an exponential window that starts as a plain average); detection
+            starts once this many steps were seen. An int in [2, 2**24] (the
+            step weight ``1 / n`` is then exact on every device).
 
     Raises:
         InvalidConfigError: A field is out of range or of the wrong type.
@@ -145,6 +163,8 @@ class ScalerConfig:
     hysteresis_refill: HysteresisRefill = "on_growth"
     max_consecutive_skips: int | None = None
     dynamic: bool = True
+    spike_threshold: float | None = None
+    spike_window: int = 128
 
     def __post_init__(self) -> None:
         put = object.__setattr__
@@ -206,6 +226,26 @@ class ScalerConfig:
             )
         if not isinstance(self.dynamic, bool):
             raise _fail("dynamic", self.dynamic, "a bool")
+        if self.spike_threshold is not None:
+            must = (
+                f"None or a finite number > 0 whose square is a normal float32 "
+                f"(in [{_SPIKE_LOW!r}, {_SPIKE_HIGH!r}])"
+            )
+            k = _real("spike_threshold", self.spike_threshold, must)
+            if not _SPIKE_LOW <= k <= _SPIKE_HIGH or not FLT_MIN <= f32(k * k) <= FLT_MAX:
+                raise _fail("spike_threshold", self.spike_threshold, must)
+            put(self, "spike_threshold", k)
+        put(
+            self,
+            "spike_window",
+            _int(
+                "spike_window",
+                self.spike_window,
+                2,
+                f"an int in [2, {SPIKE_WINDOW_MAX}]",
+                high=SPIKE_WINDOW_MAX,
+            ),
+        )
 
     @classmethod
     def static(cls, scale: float = 1.0, **kwargs: Any) -> ScalerConfig:

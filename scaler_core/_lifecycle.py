@@ -12,6 +12,7 @@ looks its entry up *before* doing any work, so a refused call changes nothing.
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 from collections.abc import Callable, Hashable, Mapping
 from types import MappingProxyType
@@ -21,10 +22,11 @@ from ._api import update as _update
 from ._backend import Backend, backend_for, get_backend
 from ._config import ScalerConfig
 from ._errors import InvalidArgumentError, InvalidStateError, LifecycleError
+from ._report import LeafReport, non_finite_leaves
 from ._serialize import from_dict, to_dict
-from ._state import ScalerState, start_state
+from ._state import ScalerState, StepKind, classify, norm_missing_error, start_state
 
-__all__ = ["TRANSITIONS", "Call", "GradScaler", "StepPhase"]
+__all__ = ["TRANSITIONS", "Call", "GradScaler", "StepPhase", "StepReport"]
 
 T = TypeVar("T")
 DEFAULT_GROUP = "default"
@@ -138,6 +140,41 @@ TRANSITIONS: Mapping[StepPhase, Mapping[Call, StepPhase | str]] = MappingProxyTy
 )
 
 
+@dataclasses.dataclass(frozen=True)
+class StepReport:
+    """What one step did, handed to ``on_step`` after each :meth:`GradScaler.update`.
+
+    Nothing here has been read back from a device: ``found``, ``grad_norm`` and
+    the state's fields stay where they were computed, so building the report
+    costs no host synchronisation; reading :attr:`kind` or :attr:`scale` on a
+    device state does (once, when you read it).
+
+    Attributes:
+        state: The state after the step.
+        found: The step's skip flag for non-finite gradients (after any reduction).
+        grad_norm: The global L2 norm of the unscaled gradients, when the step
+            computed one (:meth:`GradScaler.unscale_and_clip`,
+            :meth:`GradScaler.unscale_and_norm`), else ``None``.
+        leaves: With ``report_leaves=True``, the non-finite leaves of the
+            step's gradients (only looked for on a step that found some).
+    """
+
+    state: ScalerState
+    found: Any
+    grad_norm: Any
+    leaves: tuple[LeafReport, ...] = ()
+
+    @property
+    def kind(self) -> StepKind | None:
+        """The :class:`StepKind` of the step (reads one value from a device state)."""
+        return self.state.last_step
+
+    @property
+    def scale(self) -> float:
+        """The scale after the step, as a Python float (reads it from a device)."""
+        return self.state.current_scale()
+
+
 class GradScaler:
     """Holds a scaler's state and enforces the order of a training step.
 
@@ -158,6 +195,13 @@ class GradScaler:
         policy: Your own transition ``policy(state, found) -> state`` (a pure
             function; see "Testing your own policy" in docs/policies.md), used by
             :meth:`update` instead of :func:`scaler_core.update`.
+        on_step: Called once per :meth:`update`, after the state advanced, with
+            a :class:`StepReport` (the step's kind, norm, scale, flag): log skips
+            and backoffs there. It runs no host synchronisation of its own.
+        report_leaves: On a step whose gradients hold NaN or inf, find which
+            leaves (:func:`scaler_core.non_finite_leaves`) and put them in the
+            report. Costs one more read of the gradients, only on such steps (and,
+            for a device flag, one host read of the flag per unscale).
 
     >>> import numpy as np
     >>> scaler = GradScaler()
@@ -170,7 +214,7 @@ class GradScaler:
     1
     """
 
-    def __init__(
+    def __init__(  # noqa: PLR0913 - keyword-only options (PyTorch's GradScaler has six)
         self,
         config: ScalerConfig | None = None,
         *,
@@ -178,8 +222,21 @@ class GradScaler:
         state: ScalerState | None = None,
         reduce_found: Callable[[Any], Any] | None = None,
         policy: Callable[[ScalerState, Any], ScalerState] | None = None,
+        on_step: Callable[[StepReport], Any] | None = None,
+        report_leaves: bool = False,
     ) -> None:
         self._state = start_state(config, state)
+        if on_step is not None and not callable(on_step):
+            raise InvalidArgumentError(
+                f"on_step={on_step!r}, but it must be a callable taking a StepReport (or None)"
+            )
+        if not isinstance(report_leaves, bool):
+            raise InvalidArgumentError(f"report_leaves={report_leaves!r}, but it must be a bool")
+        self._on_step = on_step
+        self._report_leaves = report_leaves
+        self._norms: dict[Hashable, Any] = {}
+        self._leaves: list[LeafReport] = []
+        self._last: StepReport | None = None
         self._backend = None if backend is None else get_backend(backend)
         if reduce_found is not None and not callable(reduce_found):
             raise InvalidArgumentError(
@@ -231,6 +288,23 @@ class GradScaler:
             return None
         return self._backend_for(None).any(*self._flags.values())
 
+    @property
+    def grad_norm(self) -> Any:
+        """This step's global norm of the unscaled gradients so far (a device value), or
+        ``None`` when no call computed one. Several groups combine as one vector would."""
+        norms = list(self._norms.values())
+        if not norms:
+            return None
+        total = norms[0]
+        for other in norms[1:]:
+            total = (total * total + other * other) ** 0.5
+        return total
+
+    @property
+    def last_report(self) -> StepReport | None:
+        """The :class:`StepReport` of the last :meth:`update`, or ``None`` before one."""
+        return self._last
+
     def _step_found(self) -> Any:
         """This step's flag, reduced across replicas once if ``reduce_found`` is set."""
         if self._reduced is None:
@@ -261,7 +335,55 @@ class GradScaler:
         backend = self._backend_for(grads)
         grads, found = backend.unscale(grads, self._state.scale)
         self._unscaled.add(group)
-        self._record(backend, group, found, phase)
+        self._record(backend, group, found, phase, grads)
+        return grads
+
+    def unscale_and_norm(self, grads: T, group: Hashable = DEFAULT_GROUP) -> T:
+        """:meth:`unscale`, also giving the group's norm in the same pass (:attr:`grad_norm`).
+
+        Raises:
+            LifecycleError: As :meth:`unscale`.
+        """
+        phase = self._next(Call.UNSCALE_AGAIN if group in self._unscaled else Call.UNSCALE, group)
+        backend = self._backend_for(grads)
+        grads, found, norm = backend.unscale_norm(grads, self._state.scale)
+        self._unscaled.add(group)
+        self._norms[group] = norm
+        self._record(backend, group, found, phase, grads)
+        return grads
+
+    def unscale_and_clip(self, grads: T, max_norm: float, group: Hashable = DEFAULT_GROUP) -> T:
+        """Unscale the last group of the step, decide, and clip it to ``max_norm`` if stepping.
+
+        The step's decision is taken here, from this group's flag OR-ed with the
+        groups checked before it (reduced across replicas with ``reduce_found``):
+        on a skipped step nothing is written (the gradients keep their scaled
+        values); otherwise they are unscaled and clipped in one more pass, with
+        PyTorch's ``clip_grad_norm_`` coefficient. Two reads and one write of each
+        gradient at most. The norm before clipping is :attr:`grad_norm`. Then
+        :meth:`step` and :meth:`update` as usual.
+
+        Raises:
+            LifecycleError: As :meth:`unscale`.
+            InvalidArgumentError: ``max_norm`` is not a positive finite number.
+        """
+        phase = self._next(Call.UNSCALE_AGAIN if group in self._unscaled else Call.UNSCALE, group)
+        decided = TRANSITIONS[phase][Call.SHOULD_SKIP_STEP]
+        if isinstance(decided, str):  # not so in the table: a decision follows a check
+            raise LifecycleError(decided.format(call=Call.SHOULD_SKIP_STEP.value, group=group))
+        backend = self._backend_for(grads)
+
+        def decide(found: Any) -> Any:
+            # Between the read and the write: this group's flag joins the step's, and
+            # the step's (reduced across replicas once) decides whether to write.
+            self._record(backend, group, found, phase, grads)
+            self._reduced = None
+            return self._step_found()
+
+        grads, _, norm = backend.unscale_clip(grads, self._state.scale, max_norm, decide)
+        self._unscaled.add(group)
+        self._norms[group] = norm
+        self._phase = decided
         return grads
 
     def detect(self, grads: Any, group: Hashable = DEFAULT_GROUP) -> Any:
@@ -279,19 +401,29 @@ class GradScaler:
         phase = self._next(Call.DETECT, group)
         backend = self._backend_for(grads)
         found = backend.find_non_finite(grads)
-        self._record(backend, group, found, phase)
+        self._record(backend, group, found, phase, grads)
         return found
 
     def should_skip_step(self) -> bool:
-        """Whether this step's gradients held NaN/inf (a host synchronisation).
+        """Whether this step is skipped (a host synchronisation): its gradients held
+        NaN/inf or, with spike skipping on, its norm is a spike.
 
         Clip and step the optimizer only when this is false.
 
         Raises:
             LifecycleError: No gradients were checked in this step.
+            InvalidArgumentError: Spike skipping is on and no call of this step
+                computed a norm (use :meth:`unscale_and_norm` or
+                :meth:`unscale_and_clip`).
         """
         phase = self._next(Call.SHOULD_SKIP_STEP)
         skip = self._backend_for(None).to_bool(self._step_found())
+        if not skip and self.config.spike_threshold is not None:
+            norm = self.grad_norm
+            if norm is None:
+                raise norm_missing_error(self.config)
+            state = self._state if self._state.on_host else self._state.to_host()
+            skip = classify(state, False, float(norm)).skipped
         self._phase = phase
         return skip
 
@@ -320,9 +452,7 @@ class GradScaler:
         changes (the scale and the counters are those before the step).
         """
         phase = self._next(Call.ABANDON_STEP)
-        self._reduced = None
-        self._flags.clear()
-        self._unscaled.clear()
+        self._forget_step()
         self._phase = phase
 
     def update(self) -> ScalerState:
@@ -335,17 +465,22 @@ class GradScaler:
                 :meth:`abandon_step`).
         """
         phase = self._next(Call.UPDATE)
-        new = self._policy(self._state, self._step_found())
+        found, norm = self._step_found(), self.grad_norm
+        if self._policy is _update:
+            new = _update(self._state, found, grad_norm=norm)
+        else:
+            new = self._policy(self._state, found)
         if not isinstance(new, ScalerState):
             raise InvalidStateError(
                 f"policy {self._policy!r} returned {new!r}, but it must return a ScalerState "
                 f"(build it with dataclasses.replace(state, ...))"
             )
         self._state = new
-        self._reduced = None
-        self._flags.clear()
-        self._unscaled.clear()
+        self._last = StepReport(new, found, norm, tuple(self._leaves))
+        self._forget_step()
         self._phase = phase
+        if self._on_step is not None:
+            self._on_step(self._last)
         return self._state
 
     # ------------------------------------------------------------------ saving
@@ -386,7 +521,18 @@ class GradScaler:
             raise LifecycleError(outcome.format(call=call.value, group=group))
         return outcome
 
-    def _record(self, backend: Backend, group: Hashable, found: Any, phase: StepPhase) -> None:
+    def _record(
+        self, backend: Backend, group: Hashable, found: Any, phase: StepPhase, grads: Any
+    ) -> None:
         previous = self._flags.get(group)
         self._flags[group] = found if previous is None else backend.any(previous, found)
         self._phase = phase
+        if self._report_leaves and backend.to_bool(found):
+            self._leaves.extend(non_finite_leaves(grads, backend=backend))
+
+    def _forget_step(self) -> None:
+        self._reduced = None
+        self._flags.clear()
+        self._unscaled.clear()
+        self._norms.clear()
+        self._leaves.clear()

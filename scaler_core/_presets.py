@@ -8,6 +8,11 @@ Oracle tests compare each preset with the real package where it is installable
 (PyTorch, jmp, flax, Keras) and with the published examples of the anchor's own
 test suite otherwise (DeepSpeed, Megatron-LM, Paddle, apex).
 
+Every factory also takes scaler-core's own ``spike_threshold=None`` and
+``spike_window=128`` (spike skipping, off by default; no anchor has it in its
+scaler: OLMo-core and levanter skip spikes in the optimizer), passed to the
+config unchanged: ``preset("megatron", spike_threshold=6.0)``.
+
 >>> preset("deepspeed").hysteresis
 2
 >>> preset("flax").growth_interval  # flax grows on the 2001st clean step
@@ -72,6 +77,8 @@ def torch(
     growth_factor: float = 2.0,
     backoff_factor: float = 0.5,
     growth_interval: int = 2000,
+    spike_threshold: float | None = None,
+    spike_window: int = 128,
 ) -> ScalerConfig:
     """``torch.amp.GradScaler`` (``torch._amp_update_scale_``)."""
     return ScalerConfig(
@@ -79,6 +86,8 @@ def torch(
         growth_factor=growth_factor,
         backoff_factor=backoff_factor,
         growth_interval=growth_interval,
+        spike_threshold=spike_threshold,
+        spike_window=spike_window,
     )
 
 
@@ -90,6 +99,8 @@ def megatron(
     backoff_factor: float = 0.5,
     growth_interval: int = 1000,
     hysteresis: int = 2,
+    spike_threshold: float | None = None,
+    spike_window: int = 128,
 ) -> ScalerConfig:
     """Megatron-LM's ``DynamicGradScaler`` with the defaults of its arguments
     (``--initial-loss-scale 2**32 --min-loss-scale 1 --loss-scale-window 1000
@@ -102,6 +113,8 @@ def megatron(
         growth_interval=growth_interval,
         hysteresis=hysteresis,
         hysteresis_refill="on_growth",
+        spike_threshold=spike_threshold,
+        spike_window=spike_window,
     )
 
 
@@ -114,6 +127,8 @@ def deepspeed(
     delayed_shift: int = 2,
     consecutive_hysteresis: bool = False,
     raise_error_at_min_scale: bool = True,
+    spike_threshold: float | None = None,
+    spike_window: int = 128,
 ) -> ScalerConfig:
     """DeepSpeed's ``DynamicLossScaler`` as its fp16 config builds it
     (``hysteresis`` → ``delayed_shift`` = 2, ``min_loss_scale`` = 1).
@@ -131,6 +146,8 @@ def deepspeed(
         at_min_scale="raise" if raise_error_at_min_scale else "hold",
         hysteresis=delayed_shift,
         hysteresis_refill="on_clean_step" if consecutive_hysteresis else "on_growth",
+        spike_threshold=spike_threshold,
+        spike_window=spike_window,
     )
 
 
@@ -140,6 +157,8 @@ def jmp(
     period: int = 2000,
     factor: float = 2.0,
     min_loss_scale: float = 1.0,
+    spike_threshold: float | None = None,
+    spike_window: int = 128,
 ) -> ScalerConfig:
     """``jmp.DynamicLossScale`` (``loss_scale`` 2**15 as its docstring uses)."""
     return ScalerConfig(
@@ -148,6 +167,8 @@ def jmp(
         backoff_factor=_power_of_two_factor("factor", factor),
         growth_interval=period,
         min_scale=min_loss_scale,
+        spike_threshold=spike_threshold,
+        spike_window=spike_window,
     )
 
 
@@ -158,6 +179,8 @@ def flax(
     growth_interval: int = 2000,
     scale: float = 65536.0,
     minimum_scale: float | None = FLT_MIN,
+    spike_threshold: float | None = None,
+    spike_window: int = 128,
 ) -> ScalerConfig:
     """``flax.training.dynamic_scale.DynamicScale``.
 
@@ -172,12 +195,25 @@ def flax(
         growth_interval=growth_interval + 1,
         min_scale=minimum_scale,
         at_max_scale="clamp",
+        spike_threshold=spike_threshold,
+        spike_window=spike_window,
     )
 
 
-def keras(*, initial_scale: float = 2.0**15, dynamic_growth_steps: int = 2000) -> ScalerConfig:
+def keras(
+    *,
+    initial_scale: float = 2.0**15,
+    dynamic_growth_steps: int = 2000,
+    spike_threshold: float | None = None,
+    spike_window: int = 128,
+) -> ScalerConfig:
     """Keras 3 ``keras.optimizers.LossScaleOptimizer`` (factors 2 and 0.5, fixed)."""
-    return ScalerConfig(init_scale=initial_scale, growth_interval=dynamic_growth_steps)
+    return ScalerConfig(
+        init_scale=initial_scale,
+        growth_interval=dynamic_growth_steps,
+        spike_threshold=spike_threshold,
+        spike_window=spike_window,
+    )
 
 
 def paddle(
@@ -187,6 +223,8 @@ def paddle(
     decr_ratio: float = 0.5,
     incr_every_n_steps: int = 2000,
     decr_every_n_nan_or_inf: int = 1,
+    spike_threshold: float | None = None,
+    spike_window: int = 128,
 ) -> ScalerConfig:
     """``paddle.amp.GradScaler`` (the ``update_loss_scaling`` kernel).
 
@@ -202,6 +240,8 @@ def paddle(
         min_scale=1.0,
         hysteresis=decr_every_n_nan_or_inf,
         hysteresis_refill="on_clean_step_or_backoff",
+        spike_threshold=spike_threshold,
+        spike_window=spike_window,
     )
 
 
@@ -211,6 +251,8 @@ def apex(
     scale_window: int = 2000,
     min_loss_scale: float | None = None,
     max_loss_scale: float = 2.0**24,
+    spike_threshold: float | None = None,
+    spike_window: int = 128,
 ) -> ScalerConfig:
     """NVIDIA apex ``amp`` ``LossScaler`` (factors 2 and 0.5, fixed)."""
     return ScalerConfig(
@@ -220,6 +262,8 @@ def apex(
         min_scale=min_loss_scale or None,
         max_scale=max_loss_scale,
         at_max_scale="clamp",
+        spike_threshold=spike_threshold,
+        spike_window=spike_window,
     )
 
 
@@ -321,7 +365,9 @@ def preset(name: str, **kwargs: Any) -> ScalerConfig:
         name: One of :data:`PRESETS` (``torch``, ``megatron``, ``deepspeed``,
             ``jmp``, ``flax``, ``keras``, ``paddle``, ``apex``).
         **kwargs: The anchor's own parameters, by its own names (for example
-            ``preset("deepspeed", consecutive_hysteresis=True)``).
+            ``preset("deepspeed", consecutive_hysteresis=True)``), and
+            ``spike_threshold`` / ``spike_window`` to turn on spike skipping
+            (see :class:`ScalerConfig`).
 
     Returns:
         A validated :class:`ScalerConfig`.

@@ -8,6 +8,7 @@ nothing half-loaded.
 from __future__ import annotations
 
 import dataclasses
+import math
 import numbers
 from collections.abc import Mapping
 from typing import Any
@@ -15,7 +16,7 @@ from typing import Any
 from ._config import ScalerConfig
 from ._errors import InvalidConfigError, InvalidStateError
 from ._f32 import INT32_MAX, f32, is_normal_f32
-from ._state import DATA_FIELDS, ScalerState
+from ._state import DATA_FIELDS, LAST_KIND_CODES, SPIKE_FIELDS, ScalerState
 
 __all__ = [
     "SCHEMA",
@@ -27,9 +28,23 @@ __all__ = [
 ]
 
 SCHEMA = "scaler_core.state"
-SCHEMA_VERSION = 1
+#: Version 2 added spike skipping: the config's ``spike_threshold`` and
+#: ``spike_window``, the state's window statistics and ``last_kind``.
+SCHEMA_VERSION = 2
+#: The versions :func:`from_dict` reads.
+READABLE_VERSIONS = (1, 2)
 _TORCH_KEYS = ("scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker")
 _CONFIG_FIELDS = tuple(f.name for f in dataclasses.fields(ScalerConfig))
+_SPIKE_CONFIG_FIELDS = ("spike_threshold", "spike_window")
+_STATE_KEYS = tuple(name for name in DATA_FIELDS if name != "failure")
+#: Per version: the config keys and the state keys a checkpoint holds.
+_KEYS = {
+    1: (
+        tuple(f for f in _CONFIG_FIELDS if f not in _SPIKE_CONFIG_FIELDS),
+        tuple(k for k in _STATE_KEYS if k not in SPIKE_FIELDS),
+    ),
+    2: (_CONFIG_FIELDS, _STATE_KEYS),
+}
 
 
 def to_dict(state: ScalerState) -> dict[str, Any]:
@@ -40,14 +55,14 @@ def to_dict(state: ScalerState) -> dict[str, Any]:
     >>> from scaler_core import init
     >>> d = to_dict(init())
     >>> d["schema"], d["version"], d["state"]["scale"]
-    ('scaler_core.state', 1, 65536.0)
+    ('scaler_core.state', 2, 65536.0)
     """
     host = state.to_host()
     return {
         "schema": SCHEMA,
         "version": SCHEMA_VERSION,
         "config": host.config.to_dict(),
-        "state": {name: getattr(host, name) for name in DATA_FIELDS if name != "failure"},
+        "state": {name: getattr(host, name) for name in _STATE_KEYS},
     }
 
 
@@ -104,9 +119,27 @@ def _scale_field(where: str, value: object, config: ScalerConfig) -> float:
     return scale
 
 
-def _config(where: str, data: object) -> ScalerConfig:
+def _stat_field(where: str, value: object, *, low: float) -> float:
+    """A window statistic: exactly a float32, finite, 0 or normal (never subnormal: a
+    device that flushes subnormals would read it as 0), and at least ``low``."""
+    must = "0.0 or a finite, normal float32" + (" >= 0.0" if low == 0 else "")
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise _bad(where, value, must)
+    try:
+        exact = float(value)
+        out = f32(exact)
+    except (OverflowError, ValueError):
+        raise _bad(where, value, must) from None
+    if not (out == 0 or is_normal_f32(abs(out))) or out < low:
+        raise _bad(where, value, must)
+    if out != exact:
+        raise _bad(where, value, f"exactly representable in float32; use {out!r}")
+    return 0.0 if out == 0 else out
+
+
+def _config(where: str, data: object, keys: tuple[str, ...] = _CONFIG_FIELDS) -> ScalerConfig:
     fields = _mapping(where, data)
-    _exact_keys(where, fields, _CONFIG_FIELDS)
+    _exact_keys(where, fields, keys)
     try:
         return ScalerConfig(**fields)
     except InvalidConfigError as exc:
@@ -115,6 +148,9 @@ def _config(where: str, data: object) -> ScalerConfig:
 
 def from_dict(data: Mapping[str, Any]) -> ScalerState:
     """Rebuild a state saved by :func:`to_dict`, validating every field.
+
+    Reads the current version and version 1 (written before spike skipping
+    existed: its config gets spike skipping off, its state a fresh window).
 
     Raises:
         InvalidStateError: ``data`` is empty, partial, of another schema or
@@ -128,16 +164,18 @@ def from_dict(data: Mapping[str, Any]) -> ScalerState:
     _exact_keys("checkpoint", data, ("schema", "version", "config", "state"))
     if type(data["schema"]) is not str or data["schema"] != SCHEMA:
         raise _bad("checkpoint['schema']", data["schema"], repr(SCHEMA))
-    if type(data["version"]) is not int or data["version"] != SCHEMA_VERSION:
+    version = data["version"]
+    if type(version) is not int or version not in READABLE_VERSIONS:
         raise _bad(
             "checkpoint['version']",
-            data["version"],
-            f"{SCHEMA_VERSION} (this scaler-core reads version {SCHEMA_VERSION}; upgrade it)",
+            version,
+            f"one of {list(READABLE_VERSIONS)} (this scaler-core reads versions up to "
+            f"{SCHEMA_VERSION}; upgrade it)",
         )
-    config = _config("checkpoint['config']", data["config"])
+    config_keys, state_keys = _KEYS[version]
+    config = _config("checkpoint['config']", data["config"], config_keys)
     fields = _mapping("checkpoint['state']", data["state"])
-    keys = tuple(name for name in DATA_FIELDS if name != "failure")
-    _exact_keys("checkpoint['state']", fields, keys)
+    _exact_keys("checkpoint['state']", fields, state_keys)
 
     def w(key: str) -> str:
         return f"checkpoint['state'][{key!r}]"
@@ -157,7 +195,33 @@ def from_dict(data: Mapping[str, Any]) -> ScalerState:
     consec = _int_field(w("consecutive_skips"), fields["consecutive_skips"], 0, limit)
     if not config.dynamic and scale != config.init_scale:
         raise _bad(w("scale"), scale, f"init_scale={config.init_scale!r} for a static config")
-    return ScalerState(config, scale, growth, hyst, steps, skipped, consec, 0)
+    if version == 1:
+        return ScalerState(config, scale, growth, hyst, steps, skipped, consec, 0)
+    mean = _stat_field(w("norm_mean"), fields["norm_mean"], low=-math.inf)
+    var = _stat_field(w("norm_var"), fields["norm_var"], low=0.0)
+    count = _int_field(w("norm_count"), fields["norm_count"], 0, config.spike_window)
+    kind = fields["last_kind"]
+    integral = isinstance(kind, numbers.Integral) and not isinstance(kind, bool)
+    if not integral or kind not in LAST_KIND_CODES:
+        raise _bad(
+            w("last_kind"),
+            kind,
+            f"0 or the code of a StepKind that does not fail, one of {sorted(LAST_KIND_CODES)}",
+        )
+    return ScalerState(
+        config,
+        scale,
+        growth,
+        hyst,
+        steps,
+        skipped,
+        consec,
+        0,
+        norm_mean=mean,
+        norm_var=var,
+        norm_count=count,
+        last_kind=int(kind),
+    )
 
 
 def to_torch_state_dict(state: ScalerState) -> dict[str, Any]:

@@ -2,9 +2,10 @@
 
 Theory of operation
 -------------------
-A :class:`ScalerState` holds a float32 ``scale`` and int32 counters. One step is
-one call of ``update(state, found_non_finite)``; it first *classifies* the step
-into a :class:`StepKind`, then applies that kind. The rules:
+A :class:`ScalerState` holds a float32 ``scale``, int32 counters and, for spike
+skipping, float32 window statistics of the gradient norm. One step is one call of
+``update(state, found_non_finite, grad_norm=None)``; it first *classifies* the
+step into a :class:`StepKind`, then applies that kind. The rules:
 
 * Clean step, dynamic scale: ``growth_tracker += 1``. When it reaches
   ``growth_interval`` the candidate ``f32(scale * growth_factor)`` replaces the
@@ -25,15 +26,34 @@ into a :class:`StepKind`, then applies that kind. The rules:
   Without a floor, a backoff that would give 0, a subnormal or a non-finite
   value fails (COLLAPSE).
 * Static scale: the scale and trackers never change (STATIC_CLEAN, STATIC_SKIP).
-* Every step: ``steps += 1``; a non-finite step is skipped (``skipped_steps`` and
-  ``consecutive_skips`` += 1), a clean one zeroes ``consecutive_skips``. A step
-  that would take ``consecutive_skips`` past ``max_consecutive_skips`` fails
-  (SKIP_LIMIT). Counters saturate at int32 max instead of wrapping.
+* Spike skipping (only with ``spike_threshold=k``; off by default, and then
+  ``grad_norm`` is ignored and the statistics never change): with ``x`` the
+  step's gradient norm as a float32, ``d = x - norm_mean`` and ``W =
+  spike_window``, a step whose gradients are finite is a spike once the window
+  is full (``norm_count >= W``) when ``d > 0`` and ``d*d > k*k * norm_var``
+  (``x = +inf`` is a spike, NaN never is). A spike is skipped (SPIKE_SKIP) and
+  changes nothing but the skip counters: the scale, the growth and the
+  hysteresis trackers stay. Every step with finite gradients and a finite norm,
+  spikes included (so a lasting shift of the norm is absorbed within about a
+  window), updates the statistics with ``n = min(norm_count + 1, W)`` and ``a =
+  1/n``: ``norm_mean += a*d``, ``norm_var = (1 - a) * (norm_var + a*d*d)``,
+  ``norm_count = n``; a step whose statistics would overflow float32 leaves them
+  as they were. Every operation is rounded to float32 and a subnormal result is
+  flushed to 0 (as XLA does), so the host and every device agree bit for bit.
+  Non-finite gradients take precedence: their rules apply, statistics untouched.
+* Every step: ``steps += 1``; a non-finite or spike step is skipped
+  (``skipped_steps`` and ``consecutive_skips`` += 1), any other zeroes
+  ``consecutive_skips``; ``last_kind`` records the step's
+  :attr:`StepKind.code`. A step that would take ``consecutive_skips`` past
+  ``max_consecutive_skips`` fails (SKIP_LIMIT). Counters saturate at int32 max
+  instead of wrapping.
 
 Invariants, after every step that did not fail: the scale is a finite, positive,
 normal float32 within ``[min_scale, max_scale]``; ``0 <= growth_tracker <
 growth_interval``; ``1 <= hysteresis_tracker <= hysteresis``;
-``consecutive_skips <= skipped_steps <= steps``.
+``consecutive_skips <= skipped_steps <= steps``; ``norm_mean`` and ``norm_var``
+are finite float32 values, ``norm_var >= 0``, ``0 <= norm_count <=
+spike_window``; ``last_kind`` is 0 or the code of a kind that does not fail.
 
 Failing closed: on the host a failing step raises :class:`ScaleCollapseError`
 (or :class:`SkipLimitError`) and returns nothing, so the caller's state is
@@ -66,8 +86,12 @@ from ._errors import (
 from ._f32 import FLT_MAX, FLT_MIN, INT32_MAX, f32, is_f32_exact, is_normal_f32
 
 __all__ = [
+    "COUNTER_FIELDS",
     "DATA_FIELDS",
     "FLAG_MUST",
+    "FLOAT_FIELDS",
+    "NORM_MUST",
+    "SPIKE_FIELDS",
     "Failure",
     "ScalerState",
     "StepKind",
@@ -76,8 +100,10 @@ __all__ = [
     "device_update",
     "flag_error",
     "host_flag",
+    "host_norm",
     "host_update",
     "init",
+    "norm_missing_error",
     "register_flax_serialization",
     "register_pytree",
     "require_state",
@@ -99,6 +125,32 @@ class StepKind(enum.Enum):
     COLLAPSE = "collapse"
     FLOOR_RAISE = "floor_raise"
     SKIP_LIMIT = "skip_limit"
+    SPIKE_SKIP = "spike_skip"
+
+    @property
+    def code(self) -> int:
+        """The kind's stable int code, as ``ScalerState.last_kind`` stores it (0: no step)."""
+        return _CODE_OF_KIND[self]
+
+    @classmethod
+    def from_code(cls, code: int) -> StepKind | None:
+        """The kind of a code (``None`` for 0, the code of "no step yet").
+
+        Raises:
+            InvalidArgumentError: ``code`` is not 0 nor the code of a kind.
+
+        >>> StepKind.from_code(StepKind.SPIKE_SKIP.code)
+        <StepKind.SPIKE_SKIP: 'spike_skip'>
+        """
+        if code == 0 and not isinstance(code, bool):
+            return None
+        kind = _KIND_OF_CODE.get(code) if type(code) is int else None
+        if kind is None:
+            raise InvalidArgumentError(
+                f"code={code!r}, but it must be 0 or one of {sorted(_KIND_OF_CODE)} "
+                f"(the StepKind codes)"
+            )
+        return kind
 
     @property
     def fails(self) -> bool:
@@ -107,7 +159,7 @@ class StepKind(enum.Enum):
 
     @property
     def skipped(self) -> bool:
-        """Whether the optimizer step is skipped (non-finite gradients)."""
+        """Whether the optimizer step is skipped (non-finite gradients, or a spike)."""
         return self in _SKIPPED
 
 
@@ -130,24 +182,34 @@ _SKIPPED = frozenset(
         StepKind.COLLAPSE,
         StepKind.FLOOR_RAISE,
         StepKind.SKIP_LIMIT,
+        StepKind.SPIKE_SKIP,
     }
 )
+#: Stable codes: never renumber one (checkpoints store them); append new kinds.
+_CODE_OF_KIND = {kind: code for code, kind in enumerate(StepKind, start=1)}
+_KIND_OF_CODE = {code: kind for kind, code in _CODE_OF_KIND.items()}
+#: The codes ``last_kind`` can hold: no step yet, or a step that was applied.
+LAST_KIND_CODES = frozenset({0} | {c for k, c in _CODE_OF_KIND.items() if k not in _FAILING})
 _FAILURE_OF_KIND = {
     StepKind.COLLAPSE: Failure.COLLAPSE,
     StepKind.FLOOR_RAISE: Failure.FLOOR_RAISE,
     StepKind.SKIP_LIMIT: Failure.SKIP_LIMIT,
 }
 
-#: The fields that change from step to step (the pytree leaves under JAX); the
-#: config is the one static field.
-DATA_FIELDS = (
-    "scale",
+#: The float32 data fields; every other data field is an int32 counter.
+FLOAT_FIELDS = ("scale", "norm_mean", "norm_var")
+#: The fields spike skipping added (schema version 2); older checkpoints lack them.
+SPIKE_FIELDS = ("norm_mean", "norm_var", "norm_count", "last_kind")
+#: The int32 data fields (counters, codes).
+COUNTER_FIELDS = (
     "growth_tracker",
     "hysteresis_tracker",
     "steps",
     "skipped_steps",
     "consecutive_skips",
     "failure",
+    "norm_count",
+    "last_kind",
 )
 
 
@@ -170,6 +232,11 @@ class ScalerState:
         skipped_steps: Steps skipped for non-finite gradients.
         consecutive_skips: Skipped steps since the last clean one.
         failure: 0, or the :class:`Failure` a device transition recorded.
+        norm_mean: Spike skipping's rolling mean of the gradient norm (float32).
+        norm_var: Its rolling variance (float32, >= 0).
+        norm_count: Steps in the window so far, saturating at ``spike_window``.
+        last_kind: The :attr:`StepKind.code` of the last step (0: none yet);
+            :attr:`last_step` reads it as a :class:`StepKind`.
     """
 
     config: ScalerConfig = dataclasses.field(metadata={"static": True})
@@ -180,6 +247,10 @@ class ScalerState:
     skipped_steps: Any = dataclasses.field(default=0, metadata={"static": False})
     consecutive_skips: Any = dataclasses.field(default=0, metadata={"static": False})
     failure: Any = dataclasses.field(default=0, metadata={"static": False})
+    norm_mean: Any = dataclasses.field(default=0.0, metadata={"static": False})
+    norm_var: Any = dataclasses.field(default=0.0, metadata={"static": False})
+    norm_count: Any = dataclasses.field(default=0, metadata={"static": False})
+    last_kind: Any = dataclasses.field(default=0, metadata={"static": False})
 
     def __post_init__(self) -> None:
         # No value checks here (they break under jit/vmap). Only make sure that a
@@ -199,9 +270,21 @@ class ScalerState:
     @property
     def on_host(self) -> bool:
         """Whether every field is a plain Python scalar (not a device array)."""
-        return isinstance(self.scale, float) and all(
-            type(getattr(self, name)) is int for name in DATA_FIELDS[1:]
+        return all(isinstance(getattr(self, n), float) for n in FLOAT_FIELDS) and all(
+            type(getattr(self, n)) is int for n in COUNTER_FIELDS
         )
+
+    @property
+    def last_step(self) -> StepKind | None:
+        """The :class:`StepKind` of the last step, ``None`` before the first.
+
+        On a device state this reads one value back to the host.
+
+        >>> from scaler_core import init, update
+        >>> init().last_step is None, update(init(), True).last_step
+        (True, <StepKind.BACKOFF: 'backoff'>)
+        """
+        return StepKind.from_code(int(self.last_kind))
 
     def check(self) -> ScalerState:
         """Raise the error a device transition recorded; return the state otherwise.
@@ -224,9 +307,14 @@ class ScalerState:
     def to_host(self) -> ScalerState:
         """This state with Python scalars in every field, after :meth:`check`."""
         self.check()
-        return _make(
-            self.config, [float(self.scale), *(int(getattr(self, n)) for n in DATA_FIELDS[1:])]
-        )
+        return _convert(self, float, int)
+
+
+#: The fields that change from step to step (the pytree leaves under JAX), in the
+#: order of the declaration above, which is the one source of the split; the
+#: config is the one static field.
+#: Every one of them is in exactly one of FLOAT_FIELDS and COUNTER_FIELDS (a test checks).
+DATA_FIELDS = tuple(f.name for f in dataclasses.fields(ScalerState) if not f.metadata["static"])
 
 
 _PYTREE = [False]
@@ -283,7 +371,9 @@ def register_flax_serialization() -> None:
             return {n: serialization.to_state_dict(getattr(state, n)) for n in DATA_FIELDS}
 
         def from_state(target: ScalerState, data: dict[str, Any]) -> ScalerState:
-            missing = [n for n in DATA_FIELDS if n not in data]
+            # A state saved before spike skipping existed lacks its fields: they keep
+            # the target's values (a fresh window).
+            missing = [n for n in DATA_FIELDS if n not in data and n not in SPIKE_FIELDS]
             if missing:
                 raise InvalidStateError(
                     f"flax state dict {sorted(data)!r} lacks the ScalerState fields "
@@ -291,6 +381,8 @@ def register_flax_serialization() -> None:
                 )
             values = {
                 n: serialization.from_state_dict(getattr(target, n), data[n], name=n)
+                if n in data
+                else getattr(target, n)
                 for n in DATA_FIELDS
             }
             return ScalerState(target.config, **values)
@@ -305,9 +397,11 @@ def register_flax_serialization() -> None:
         _FLAX[0] = True
 
 
-def _make(config: ScalerConfig, values: list[Any]) -> ScalerState:
-    fields: dict[str, Any] = dict(zip(DATA_FIELDS, values, strict=True))
-    return ScalerState(config, **fields)
+def _convert(
+    state: ScalerState, real: Callable[[Any], Any], counter: Callable[[Any], Any]
+) -> ScalerState:
+    values = {n: (real if n in FLOAT_FIELDS else counter)(getattr(state, n)) for n in DATA_FIELDS}
+    return ScalerState(state.config, **values)
 
 
 def require_state(state: object) -> ScalerState:
@@ -326,7 +420,8 @@ def require_state(state: object) -> ScalerState:
 def convert_fields(
     state: ScalerState, scale: Callable[[Any], Any], counter: Callable[[Any], Any]
 ) -> ScalerState:
-    """``state`` with its scale passed through ``scale`` and every counter through ``counter``.
+    """``state`` with every float32 field (:data:`FLOAT_FIELDS`: the scale and the
+    norm statistics) passed through ``scale`` and every counter through ``counter``.
 
     What each integration's ``to_device`` is made of: nothing is read back to
     the host and nothing is checked, so a recorded failure moves with the state
@@ -335,10 +430,7 @@ def convert_fields(
     Raises:
         InvalidArgumentError: ``state`` is not a :class:`ScalerState`.
     """
-    require_state(state)
-    return _make(
-        state.config, [scale(state.scale), *(counter(getattr(state, n)) for n in DATA_FIELDS[1:])]
-    )
+    return _convert(require_state(state), scale, counter)
 
 
 def init(config: ScalerConfig | None = None) -> ScalerState:
@@ -379,19 +471,122 @@ def _sat_inc(n: int) -> int:
     return n + 1 if n < INT32_MAX else n
 
 
-def classify(state: ScalerState, found_non_finite: bool) -> StepKind:
+# --------------------------------------------------------------- spike skipping
+#: What every grad_norm check says a norm must be.
+NORM_MUST = (
+    "it must be a real number or a 0-d float array; pass the norm returned by "
+    "scaler_core.unscale_and_norm() or unscale_and_clip()"
+)
+
+
+def norm_missing_error(cfg: ScalerConfig) -> InvalidArgumentError:
+    """The one error for a missing ``grad_norm`` under spike skipping."""
+    return InvalidArgumentError(
+        f"grad_norm=None, but spike_threshold={cfg.spike_threshold!r} needs this step's "
+        f"global gradient norm; pass the norm returned by scaler_core.unscale_and_norm() or "
+        f"unscale_and_clip() as update(state, found, grad_norm=norm)"
+    )
+
+
+def host_norm(value: object, what: str = "grad_norm") -> float | None:
+    """``value`` as a Python float when it is a host norm, else ``None`` (a device array).
+
+    Host norms: ``int`` and ``float`` (not ``bool``), NumPy floating scalars and
+    0-d NumPy float arrays (checked by type name, so NumPy is never imported here).
+
+    Raises:
+        GradientTypeError: ``value`` is a bool, a string, a container, a complex
+            number, ``None``, or a NumPy value that is not a 0-d float.
+    """
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value)
+    typ = type(value)
+    if typ.__module__ == "numpy":
+        dtype = str(getattr(value, "dtype", ""))
+        if dtype.startswith(("float", "bfloat")) and getattr(value, "shape", None) == ():
+            return float(value)  # type: ignore[arg-type]
+        raise GradientTypeError(f"{what}={value!r}, but {NORM_MUST}")
+    if isinstance(value, (bool, complex, str, bytes, list, tuple, dict, set)) or value is None:
+        raise GradientTypeError(f"{what}={value!r}, but {NORM_MUST}")
+    return None
+
+
+def _ftz(value: float) -> float:
+    """``f32(value)``, and 0.0 for a subnormal (XLA flushes them; so does every path)."""
+    out = f32(value)
+    return 0.0 if -FLT_MIN < out < FLT_MIN else out
+
+
+def _host_x(cfg: ScalerConfig, grad_norm: object) -> float | None:
+    """The step's norm as the rule reads it (float32, flushed); ``None`` when spikes are off."""
+    if cfg.spike_threshold is None:
+        return None
+    if grad_norm is None:
+        raise norm_missing_error(cfg)
+    value = host_norm(grad_norm)
+    if value is None:
+        raise GradientTypeError(
+            f"grad_norm={grad_norm!r} is a device array, but a host state with a host flag "
+            f"steps on the host; pass a host norm, or use scaler_core.update, which moves "
+            f"the step to the norm's device"
+        )
+    return _ftz(value)
+
+
+def _host_spike(state: ScalerState, x: float) -> bool:
+    cfg = state.config
+    d = _ftz(x - state.norm_mean)
+    if state.norm_count < cfg.spike_window or not d > 0:
+        return False
+    return _ftz(d * d) > _ftz(_k2(cfg) * state.norm_var)
+
+
+def _k2(cfg: ScalerConfig) -> float:
+    k = cfg.spike_threshold
+    return 0.0 if k is None else f32(k * k)
+
+
+def _host_stats(state: ScalerState, x: float) -> tuple[float, float, int]:
+    """The window statistics after a step with finite gradients and norm ``x``."""
+    cfg = state.config
+    mean, var, count = state.norm_mean, state.norm_var, state.norm_count
+    d = _ftz(x - mean)
+    dd = _ftz(d * d)
+    if not (math.isfinite(x) and math.isfinite(dd)):
+        return mean, var, count
+    n = min(count + 1, cfg.spike_window)
+    a = _ftz(1.0 / n)
+    new_mean = _ftz(mean + _ftz(a * d))
+    new_var = _ftz(_ftz(1.0 - a) * _ftz(var + _ftz(a * dd)))
+    if not (math.isfinite(new_mean) and math.isfinite(new_var)):
+        return mean, var, count
+    return new_mean, new_var, n
+
+
+# ------------------------------------------------------------------ the host rules
+def classify(state: ScalerState, found_non_finite: bool, grad_norm: object = None) -> StepKind:
     """Decide what one step does, without changing anything.
 
     Args:
         state: A host state (Python scalars) with no recorded failure.
         found_non_finite: Whether any gradient of this step was NaN or inf.
+        grad_norm: The step's global gradient norm (a host number); needed only
+            with ``spike_threshold`` set, ignored otherwise.
 
     Returns:
         The :class:`StepKind` of the step.
+
+    Raises:
+        InvalidArgumentError: ``spike_threshold`` is set and ``grad_norm`` is None.
+        GradientTypeError: ``grad_norm`` is not a real number.
     """
+    return _classify(state, found_non_finite, _host_x(state.config, grad_norm))
+
+
+def _classify(state: ScalerState, found_non_finite: bool, x: float | None) -> StepKind:
     cfg = state.config
+    limit = cfg.max_consecutive_skips
     if found_non_finite:
-        limit = cfg.max_consecutive_skips
         if limit is not None and state.consecutive_skips + 1 > limit:
             return StepKind.SKIP_LIMIT
         if not cfg.dynamic:
@@ -405,6 +600,10 @@ def classify(state: ScalerState, found_non_finite: bool) -> StepKind:
                 )
             return StepKind.BACKOFF
         return StepKind.BACKOFF if is_normal_f32(_backed_off(state)) else StepKind.COLLAPSE
+    if x is not None and _host_spike(state, x):
+        if limit is not None and state.consecutive_skips + 1 > limit:
+            return StepKind.SKIP_LIMIT
+        return StepKind.SPIKE_SKIP
     if not cfg.dynamic:
         return StepKind.STATIC_CLEAN
     if state.growth_tracker + 1 != cfg.growth_interval:
@@ -429,19 +628,30 @@ def _backed_off(state: ScalerState) -> float:
     return scale if cfg.min_scale is None else max(scale, cfg.min_scale)
 
 
-def host_update(state: ScalerState, found_non_finite: bool) -> ScalerState:
+def host_update(
+    state: ScalerState, found_non_finite: bool, grad_norm: object = None
+) -> ScalerState:
     """Apply one step on the host: classify, then apply; raise on a failing step.
+
+    Args:
+        state: A host state.
+        found_non_finite: This step's flag.
+        grad_norm: The step's global gradient norm (a host number); needed only
+            with ``spike_threshold`` set, ignored otherwise.
 
     Raises:
         ScaleCollapseError: The step would collapse the scale, or demands a
             backoff at a floor configured to raise. ``state`` is untouched.
         SkipLimitError: The step would pass ``max_consecutive_skips``.
+        InvalidArgumentError: ``spike_threshold`` is set and ``grad_norm`` is None.
+        GradientTypeError: ``grad_norm`` is not a host real number.
     """
     require_state(state).check()
-    kind = classify(state, found_non_finite)
+    cfg = state.config
+    x = _host_x(cfg, grad_norm)
+    kind = _classify(state, found_non_finite, x)
     if kind.fails:
         raise _failure_error(_FAILURE_OF_KIND[kind], state, recorded=False)
-    cfg = state.config
     scale = state.scale
     growth = state.growth_tracker
     hyst = state.hysteresis_tracker
@@ -460,27 +670,38 @@ def host_update(state: ScalerState, found_non_finite: bool) -> ScalerState:
         growth = 0
     elif kind is StepKind.HOLD_AT_FLOOR:
         growth = 0
+    skipped = kind.skipped
     refill = cfg.hysteresis_refill
-    if cfg.dynamic and refill != "on_growth" and not found_non_finite:
+    if cfg.dynamic and refill != "on_growth" and not skipped:
         hyst = cfg.hysteresis
     if refill == "on_clean_step_or_backoff" and kind in (
         StepKind.BACKOFF,
         StepKind.HOLD_AT_FLOOR,
     ):
         hyst = cfg.hysteresis
+    mean, var, count = state.norm_mean, state.norm_var, state.norm_count
+    if x is not None and not found_non_finite:
+        mean, var, count = _host_stats(state, x)
     return ScalerState(
         config=cfg,
         scale=scale,
         growth_tracker=growth,
         hysteresis_tracker=hyst,
         steps=_sat_inc(state.steps),
-        skipped_steps=_sat_inc(state.skipped_steps) if found_non_finite else state.skipped_steps,
-        consecutive_skips=_sat_inc(state.consecutive_skips) if found_non_finite else 0,
+        skipped_steps=_sat_inc(state.skipped_steps) if skipped else state.skipped_steps,
+        consecutive_skips=_sat_inc(state.consecutive_skips) if skipped else 0,
         failure=0,
+        norm_mean=mean,
+        norm_var=var,
+        norm_count=count,
+        last_kind=kind.code,
     )
 
 
-def device_update(xp: Any, state: ScalerState, found_non_finite: Any) -> ScalerState:
+# ---------------------------------------------------------------- the device rules
+def device_update(
+    xp: Any, state: ScalerState, found_non_finite: Any, grad_norm: Any = None
+) -> ScalerState:
     """The same transition as :func:`host_update`, branch-free on arrays.
 
     Written only with ``xp.where``, ``xp.asarray``, comparisons and float32/int32
@@ -496,30 +717,49 @@ def device_update(xp: Any, state: ScalerState, found_non_finite: Any) -> ScalerS
             ``cupy``).
         state: Host or device state.
         found_non_finite: A bool, or a 0-d boolean array of that namespace.
+        grad_norm: The step's global gradient norm: a real number or a 0-d
+            float array of that namespace. Needed only with ``spike_threshold``
+            set, ignored otherwise.
 
     Returns:
         A state whose fields are 0-d arrays of ``xp``.
 
     Raises:
-        InvalidArgumentError: ``state`` is not a :class:`ScalerState`.
+        InvalidArgumentError: ``state`` is not a :class:`ScalerState`, or
+            ``spike_threshold`` is set and ``grad_norm`` is None (checked in
+            Python, also under ``jax.jit``).
+        GradientTypeError: ``grad_norm`` is not a real number nor a 0-d float array.
     """
     cfg = require_state(state).config
     f32_, i32 = xp.float32, xp.int32
+    x = None if cfg.spike_threshold is None else _device_x(xp, cfg, grad_norm)
     found = xp.asarray(found_non_finite, dtype=bool)
-    clean = ~found
-    old = [
-        xp.asarray(state.scale, dtype=f32_),
-        *(xp.asarray(getattr(state, name), dtype=i32) for name in DATA_FIELDS[1:]),
-    ]
-    scale, growth, hyst, steps, skipped, consec, failure = old
+    old = {
+        n: xp.asarray(getattr(state, n), dtype=f32_ if n in FLOAT_FIELDS else i32)
+        for n in DATA_FIELDS
+    }
+    scale, growth, hyst = old["scale"], old["growth_tracker"], old["hysteresis_tracker"]
+    steps, skipped, consec = old["steps"], old["skipped_steps"], old["consecutive_skips"]
     zero, one = xp.asarray(0, dtype=i32), xp.asarray(1, dtype=i32)
 
     def sat_inc(n: Any) -> Any:
         return xp.where(n < INT32_MAX, n + one, n)
 
-    new_steps = sat_inc(steps)
-    new_skipped = xp.where(found, sat_inc(skipped), skipped)
-    new_consec = xp.where(found, sat_inc(consec), zero)
+    def code(kind: StepKind) -> Any:
+        return xp.asarray(kind.code, dtype=i32)
+
+    new = dict(old)
+    if x is None:
+        spike = xp.asarray(False)
+    else:
+        spike, new["norm_mean"], new["norm_var"], new["norm_count"] = _device_spike(
+            xp, cfg, old, found, x
+        )
+    skip = found | spike
+    clean = ~skip
+    new["steps"] = sat_inc(steps)
+    new["skipped_steps"] = xp.where(skip, sat_inc(skipped), skipped)
+    new["consecutive_skips"] = xp.where(skip, sat_inc(consec), zero)
 
     fail = xp.asarray(int(Failure.NONE), dtype=i32)
     if cfg.dynamic:
@@ -536,6 +776,7 @@ def device_update(xp: Any, state: ScalerState, found_non_finite: Any) -> ScalerS
         absorbed = found & (hyst > one)
         backing_off = found & ~absorbed
         backed = _backoff_product(xp, scale, cfg.backoff_factor)
+        at_floor = xp.asarray(False)
         if cfg.min_scale is not None:
             floor = f32_(cfg.min_scale)
             backed = xp.maximum(backed, floor)
@@ -545,31 +786,100 @@ def device_update(xp: Any, state: ScalerState, found_non_finite: Any) -> ScalerS
         else:
             collapse = ~(xp.isfinite(backed) & (backed >= f32_(FLT_MIN)))
             fail = xp.where(backing_off & collapse, int(Failure.COLLAPSE), fail)
-        new_scale = xp.where(
+        candidate = xp.where(can_grow, grown, scale)
+        new["scale"] = xp.where(
             found,
             xp.where(absorbed, scale, backed),
-            xp.where(at_interval & can_grow, grown, scale),
+            xp.where(at_interval, candidate, scale),
         )
-        new_growth = xp.where(found | at_interval, zero, growth1)
+        new["growth_tracker"] = xp.where(
+            found | at_interval, zero, xp.where(spike, growth, growth1)
+        )
         refill = at_interval if cfg.hysteresis_refill == "on_growth" else clean
         if cfg.hysteresis_refill == "on_clean_step_or_backoff":
             refill = refill | backing_off
-        new_hyst = xp.where(absorbed, hyst - one, xp.where(refill, cfg.hysteresis, hyst))
+        new["hysteresis_tracker"] = xp.where(
+            absorbed, hyst - one, xp.where(refill, cfg.hysteresis, hyst)
+        )
+        grow_kind = xp.where(candidate > scale, code(StepKind.GROW), code(StepKind.GROWTH_BLOCKED))
+        clean_kind = xp.where(at_interval, grow_kind, code(StepKind.COUNT))
+        found_kind = xp.where(
+            absorbed,
+            code(StepKind.HYSTERESIS),
+            xp.where(at_floor, code(StepKind.HOLD_AT_FLOOR), code(StepKind.BACKOFF)),
+        )
     else:
-        new_scale, new_growth, new_hyst = scale, growth, hyst
+        clean_kind, found_kind = code(StepKind.STATIC_CLEAN), code(StepKind.STATIC_SKIP)
+    new["last_kind"] = xp.where(
+        found, found_kind, xp.where(spike, code(StepKind.SPIKE_SKIP), clean_kind)
+    )
     if cfg.max_consecutive_skips is not None:
         # The skip limit is checked first on the host; give it precedence here too.
-        over = found & (consec + one > cfg.max_consecutive_skips)
+        over = skip & (consec + one > cfg.max_consecutive_skips)
         fail = xp.where(over, int(Failure.SKIP_LIMIT), fail)
+    failure = old["failure"]
     fail = xp.asarray(xp.where(failure != zero, failure, fail), dtype=i32)
     keep = fail != zero
-    new = [new_scale, new_growth, new_hyst, new_steps, new_skipped, new_consec]
-    dtypes = [f32_, *([i32] * (len(new) - 1))]
-    out = [
-        xp.asarray(xp.where(keep, o, n), dtype=d)
-        for o, n, d in zip(old[:-1], new, dtypes, strict=True)
-    ]
-    return _make(cfg, [*out, fail])
+    out = {
+        n: xp.asarray(xp.where(keep, old[n], new[n]), dtype=f32_ if n in FLOAT_FIELDS else i32)
+        for n in DATA_FIELDS
+        if n != "failure"
+    }
+    return ScalerState(cfg, failure=fail, **out)
+
+
+def _device_x(xp: Any, cfg: ScalerConfig, grad_norm: Any) -> Any:
+    """The step's norm as a 0-d float32 array of ``xp``, flushed as :func:`_ftz` does."""
+    if grad_norm is None:
+        raise norm_missing_error(cfg)
+    value = host_norm(grad_norm)
+    if value is None:
+        shape, dtype = getattr(grad_norm, "shape", None), getattr(grad_norm, "dtype", None)
+        name = str(dtype).removeprefix("torch.")
+        if shape is None or tuple(shape) != () or not name.startswith(("float", "bfloat")):
+            raise GradientTypeError(
+                f"grad_norm=<{type(grad_norm).__name__} shape={shape} dtype={dtype}>, "
+                f"but {NORM_MUST}"
+            )
+        value = grad_norm
+    return _device_ftz(xp, xp.asarray(value, dtype=xp.float32))
+
+
+def _device_ftz(xp: Any, value: Any) -> Any:
+    low, high = xp.float32(-FLT_MIN), xp.float32(FLT_MIN)
+    return xp.where((value > low) & (value < high), xp.float32(0.0), value)
+
+
+def _device_spike(
+    xp: Any, cfg: ScalerConfig, old: dict[str, Any], found: Any, x: Any
+) -> tuple[Any, Any, Any, Any]:
+    """``(spike, norm_mean, norm_var, norm_count)`` after this step, as :func:`_host_spike`
+    and :func:`_host_stats` compute them (every operation float32, then flushed)."""
+    f32_, i32 = xp.float32, xp.int32
+    mean, var, count = old["norm_mean"], old["norm_var"], old["norm_count"]
+    window = xp.asarray(cfg.spike_window, dtype=i32)
+
+    def ftz(value: Any) -> Any:
+        return _device_ftz(xp, value)
+
+    d = ftz(x - mean)
+    dd = ftz(d * d)
+    spike = ~found & (count >= window) & (d > f32_(0.0)) & (dd > ftz(f32_(_k2(cfg)) * var))
+    usable = ~found & xp.isfinite(x) & xp.isfinite(dd)
+    # Unusable steps compute on zeros, so no inf * 0 is ever formed (its result is dropped).
+    d = xp.where(usable, d, f32_(0.0))
+    dd = xp.where(usable, dd, f32_(0.0))
+    n = xp.where(count < window, count + xp.asarray(1, dtype=i32), window)
+    a = ftz(f32_(1.0) / xp.asarray(n, dtype=f32_))  # exact count: spike_window <= 2**24
+    new_mean = ftz(mean + ftz(a * d))
+    new_var = ftz(ftz(f32_(1.0) - a) * ftz(var + ftz(a * dd)))
+    usable = usable & xp.isfinite(new_mean) & xp.isfinite(new_var)
+    return (
+        spike,
+        xp.where(usable, new_mean, mean),
+        xp.where(usable, new_var, var),
+        xp.where(usable, n, count),
+    )
 
 
 #: The float32 just below 2**-102: a product ``p`` with ``p * 2**24`` at least this

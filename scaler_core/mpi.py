@@ -62,7 +62,7 @@ import numpy as np
 from ._backend import backend_for
 from ._config import ScalerConfig
 from ._errors import InvalidArgumentError, ReplicaMismatchError, ReplicaTimeoutError
-from ._state import DATA_FIELDS, ScalerState, host_flag
+from ._state import DATA_FIELDS, FLOAT_FIELDS, ScalerState, host_flag
 from ._tree import leaves_with_paths
 
 #: Polls of a bounded wait before it starts sleeping between polls.
@@ -83,13 +83,14 @@ __all__ = [
 #: Bytes of a fingerprint digest (SHA-256, truncated); 128 bits make a chance
 #: collision between replicas negligible.
 DIGEST_SIZE = 16
-_DOMAIN = b"scaler_core.fingerprint/1"
+_DOMAIN = b"scaler_core.fingerprint/2"
 _MPI: Any = None
 _buffers = threading.local()
 #: Timed-out requests, kept alive with their buffers (MPI may still write to them).
 _abandoned: list[tuple[Any, Any]] = []
-#: scale (float32) and the six int32 counters of DATA_FIELDS, little-endian.
-_STATE = struct.Struct("<f6q")
+#: DATA_FIELDS in order, little-endian: each float32 field by its float32 bits
+#: (the scale, the norm statistics), each int32 counter as an int64.
+_STATE = struct.Struct("<" + "".join("f" if n in FLOAT_FIELDS else "q" for n in DATA_FIELDS))
 
 
 def _need_comm(comm: Any, *methods: str) -> None:
@@ -264,10 +265,9 @@ def _canonical(value: object) -> bytes:
 
 def _host_fields(state: ScalerState) -> dict[str, float | int]:
     """The data fields as Python scalars, without raising a recorded failure."""
-    out: dict[str, float | int] = {"scale": float(state.scale)}
-    for name in DATA_FIELDS[1:]:
-        out[name] = int(getattr(state, name))
-    return out
+    return {
+        name: (float if name in FLOAT_FIELDS else int)(getattr(state, name)) for name in DATA_FIELDS
+    }
 
 
 def _leaf(path: str, leaf: Any) -> tuple[np.ndarray, bytes, memoryview]:
@@ -317,7 +317,7 @@ def _digest(state: ScalerState, params: Any) -> bytes:
     # BLAKE2b's speed here, which matters when parameters are hashed too.
     h = hashlib.sha256(_DOMAIN)
     h.update(_config_bytes(state.config))
-    # The scale by its float32 bits (a state is float32 by contract), the counters as int64.
+    # Float fields by their float32 bits (a state is float32 by contract), counters as int64.
     h.update(_STATE.pack(*_host_fields(state).values()))
     if params is not None:
         for path, leaf in _param_leaves(params):
@@ -331,9 +331,10 @@ def fingerprint(state: ScalerState, params: Any = None) -> str:
     """A short, deterministic digest of a state (and optionally parameters).
 
     Covers every config field and every state field (scale, trackers,
-    counters, recorded failure); equal states give equal fingerprints in every
-    process, on every platform and Python version (no ``hash()`` salt, no
-    pickle). A device state is read to the host. ``params`` (a tree of arrays:
+    counters, spike-window statistics, last step kind, recorded failure);
+    equal states give equal fingerprints in every process, on every platform
+    and Python version (no ``hash()`` salt, no pickle). A device state is read
+    to the host. ``params`` (a tree of arrays:
     dicts, lists, tuples) adds each leaf's path, dtype, shape and bytes, so
     "bit-identical parameters" is part of the comparison; hashing reads every
     byte once, so pass parameters only to occasional checks.

@@ -38,7 +38,7 @@ import optax
 
 from ._config import ScalerConfig
 from ._errors import InvalidArgumentError
-from ._state import ScalerState, start_state
+from ._state import ScalerState, StepKind, start_state
 from .backends._jax import BACKEND, require_float32_factors, to_device
 from .jax import reduce_found
 
@@ -51,7 +51,8 @@ class LossScaledState(NamedTuple):
     Attributes:
         inner: The wrapped optimizer's state.
         scaler: The :class:`~scaler_core.ScalerState` (on the device).
-        found: Whether the last step had non-finite gradients (and was skipped).
+        found: Whether the last step was skipped: its gradients were non-finite or,
+            with spike skipping on, its gradient norm was a spike.
     """
 
     inner: Any
@@ -117,7 +118,12 @@ def loss_scaled(
         axis_name: Inside ``shard_map``/``pmap``, the axis to OR the found flag
             over so that every replica skips together. Leave ``None`` for one
             device, or for global sharded arrays under ``jax.jit`` (there the
-            flag already covers the whole array).
+            flag already covers the whole array). With spike skipping, the
+            largest of the replicas' norms decides, so they skip together too.
+
+    With ``spike_threshold`` in the config, the unscale also gives the global
+    gradient norm (in the same fused pass) and a spike is skipped like an
+    overflow: the inner optimizer's update and state are discarded.
 
     Returns:
         An ``optax.GradientTransformationExtraArgs`` whose state is a
@@ -134,6 +140,7 @@ def loss_scaled(
     start = start_state(config, state)
     require_float32_factors(start.config)  # now, not at the first traced step
     inner = optax.with_extra_args_support(inner)
+    spikes = start.config.spike_threshold is not None
 
     def init_fn(params: Any) -> LossScaledState:
         if _inside_multisteps():
@@ -149,14 +156,24 @@ def loss_scaled(
     def update_fn(
         updates: Any, opt_state: LossScaledState, params: Any = None, **extra: Any
     ) -> tuple[Any, LossScaledState]:
-        grads, found = BACKEND.unscale(updates, opt_state.scaler.scale)
+        norm = None
+        if spikes:
+            grads, found, norm = BACKEND.unscale_norm(updates, opt_state.scaler.scale)
+        else:
+            grads, found = BACKEND.unscale(updates, opt_state.scaler.scale)
         if axis_name is not None:
             found = reduce_found(found, axis_name)
+            if norm is not None:
+                norm = jax.lax.pmax(norm, axis_name)  # type: ignore[no-untyped-call]
+        scaler = BACKEND.update(opt_state.scaler, found, norm)
+        skip = found
+        if spikes:
+            skip = found | (scaler.last_kind == StepKind.SPIKE_SKIP.code)
         new_updates, new_inner = inner.update(grads, opt_state.inner, params, **extra)
         # -0.0, not 0.0: x + (-0.0) == x bit for bit for every x, -0.0 included.
         no_op = jax.tree_util.tree_map(lambda u: jnp.full_like(u, -0.0), new_updates)
-        out = BACKEND.select(found, no_op, new_updates)
-        kept = BACKEND.select(found, opt_state.inner, new_inner)
-        return out, LossScaledState(kept, BACKEND.update(opt_state.scaler, found), found)
+        out = BACKEND.select(skip, no_op, new_updates)
+        kept = BACKEND.select(skip, opt_state.inner, new_inner)
+        return out, LossScaledState(kept, scaler, skip)
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)  # type: ignore[arg-type, unused-ignore]

@@ -15,6 +15,12 @@ spent at the floor (``min_scale``, or the smallest normal float32 without one);
 whether the policy collapsed (refused a step, or a user policy produced a scale
 that is no longer a normal float32); and the final scale.
 
+A trace may also carry each step's global gradient norm (``grad_norm``, unscaled,
+so the same under every policy). A policy with spike skipping on
+(``spike_threshold``) needs it: each step's norm is passed to the transition,
+and the report counts the steps it skipped as spikes (``spike_skips``, part of
+``skipped_steps`` but not of the overflow spikes).
+
 Policies are preset names (see :data:`scaler_core.PRESETS`), configs, or a
 user's own transition as ``(config, policy)``::
 
@@ -46,7 +52,7 @@ from ._config import ScalerConfig
 from ._errors import InvalidArgumentError, InvalidConfigError, ScaleCollapseError, TraceError
 from ._f32 import FLT_MAX, FLT_MIN
 from ._presets import preset
-from ._state import ScalerState, init
+from ._state import ScalerState, StepKind, init
 
 __all__ = [
     "DTYPE_MAX",
@@ -76,7 +82,9 @@ EXAMPLE_TRACES: Mapping[str, str] = {
     "demo": "mlp_fp16_demo.json",
 }
 
-Policy = Callable[[ScalerState, Any], ScalerState]
+#: ``policy(state, found) -> state``; ``policy(state, found, grad_norm)`` when the
+#: policy's config has spike skipping on.
+Policy = Callable[..., ScalerState]
 PolicySpec = str | ScalerConfig | tuple[ScalerConfig, Policy]
 
 
@@ -93,6 +101,9 @@ class Trace:
             recorded at, when known: a policy replaying them at other scales
             did not meet these overflows, and the report says so.
         source: Where the trace came from (free text, shown in reports).
+        grad_norm: Optional per-step global gradient norm (unscaled; NaN or
+            inf allowed), one per step: what a policy with spike skipping
+            needs.
     """
 
     name: str = "trace"
@@ -100,6 +111,7 @@ class Trace:
     max_abs_grad: tuple[float, ...] | None = None
     recorded_with: ScalerConfig | None = None
     source: str = ""
+    grad_norm: tuple[float, ...] | None = None
 
     def __post_init__(self) -> None:
         if (self.found is None) == (self.max_abs_grad is None):
@@ -115,6 +127,18 @@ class Trace:
                     raise TraceError(
                         f"trace {self.name!r}: max_abs_grad[{i}]={g!r}, but it must be >= 0 "
                         f"(an absolute value), NaN or inf"
+                    )
+        if self.grad_norm is not None:
+            if len(self.grad_norm) != len(self):
+                raise TraceError(
+                    f"trace {self.name!r} has {len(self.grad_norm)} grad_norm values for "
+                    f"{len(self)} steps, but it must have one per step"
+                )
+            for i, g in enumerate(self.grad_norm):
+                if g < 0:
+                    raise TraceError(
+                        f"trace {self.name!r}: grad_norm[{i}]={g!r}, but it must be >= 0 "
+                        f"(a norm), NaN or inf"
                     )
 
     def __len__(self) -> int:
@@ -136,7 +160,8 @@ class PolicyResult:
     Attributes:
         name: The policy's name in the report.
         steps: Steps replayed (fewer than the trace when it collapsed).
-        skipped_steps: Steps whose optimizer update was skipped.
+        skipped_steps: Steps whose optimizer update was skipped (overflows and
+            spike skips).
         recovery_steps: Per spike (run of skipped steps), the steps from its
             first overflow to the next clean step (its length).
         regrowth_steps: Per spike, steps from that clean step until the scale
@@ -150,6 +175,8 @@ class PolicyResult:
         matches_recording: For a ``found`` trace with ``recorded_with``, whether
             this policy replayed the flags at the scales they were recorded at
             (only then are they the overflows it would have met); else ``None``.
+        spike_skips: Steps skipped by spike skipping (``StepKind.SPIKE_SKIP``);
+            0 for a policy without it.
     """
 
     name: str
@@ -163,6 +190,7 @@ class PolicyResult:
     final_scale: float
     scales: tuple[float, ...]
     matches_recording: bool | None = None
+    spike_skips: int = 0
 
     def summary(self) -> dict[str, Any]:
         """The headline numbers as a JSON-safe dict (no per-step data)."""
@@ -171,6 +199,7 @@ class PolicyResult:
             "policy": self.name,
             "steps": self.steps,
             "skipped_steps": self.skipped_steps,
+            "spike_skips": self.spike_skips,
             "spikes": len(self.recovery_steps),
             "recovery_steps_mean": _mean(self.recovery_steps),
             "recovery_steps_max": max(self.recovery_steps, default=None),
@@ -214,7 +243,9 @@ def simulate(
         trace: The per-step observations.
         policies: ``{name: spec}`` where a spec is a preset name, a
             :class:`ScalerConfig` or ``(config, policy)`` for a user's own
-            transition; or just preset names.
+            transition; or just preset names. A policy whose config has spike
+            skipping on is called with each step's ``grad_norm`` as a third
+            argument.
         dtype: Gradient dtype for ``max_abs_grad`` traces (``float16``,
             ``bfloat16``, ``float32``).
 
@@ -224,6 +255,8 @@ def simulate(
     Raises:
         InvalidConfigError: An unknown preset name.
         InvalidArgumentError: A bad spec or dtype, or no policies.
+        TraceError: A policy has spike skipping on and the trace has no
+            ``grad_norm``.
     """
     if dtype not in DTYPE_MAX:
         raise InvalidArgumentError(f"dtype={dtype!r}, but it must be one of {sorted(DTYPE_MAX)}")
@@ -233,6 +266,15 @@ def simulate(
     if not specs:
         raise InvalidArgumentError("policies is empty, but it must name at least one policy")
     resolved = {name: _resolve(name, spec) for name, spec in specs.items()}
+    if trace.grad_norm is None:
+        spiking = [n for n, (cfg, _) in resolved.items() if cfg.spike_threshold is not None]
+        if spiking:
+            raise TraceError(
+                f"policy {spiking[0]!r} has spike skipping on (spike_threshold="
+                f"{resolved[spiking[0]][0].spike_threshold!r}), but trace {trace.name!r} has "
+                f"no grad_norm; record each step's gradient norm in a grad_norm column "
+                f"(CSV) or list (JSON), or leave spike_threshold unset"
+            )
     results = {
         name: _replay(name, trace, config, policy, DTYPE_MAX[dtype])
         for name, (config, policy) in resolved.items()
@@ -254,27 +296,31 @@ def _replay(
     state = init(config)
     floor = FLT_MIN if config.min_scale is None else config.min_scale
     scales: list[float] = []
-    skipped: list[bool] = []
+    overflowed: list[bool] = []
+    spike_skips = 0
     collapse_step = None
+    norms = trace.grad_norm if config.spike_threshold is not None else None
     for step in range(len(trace)):
         scale = float(state.scale)
         found = trace.overflows(step, scale, dtype_max)
         try:
-            new = policy(state, found)
+            new = policy(state, found) if norms is None else policy(state, found, norms[step])
         except ScaleCollapseError:
             collapse_step = step
             break
         scales.append(scale)
-        skipped.append(found)
+        overflowed.append(found)
+        if norms is not None and int(new.last_kind) == StepKind.SPIKE_SKIP.code:
+            spike_skips += 1
         state = new
         if not FLT_MIN <= float(state.scale) <= FLT_MAX:  # a user policy that failed open
             collapse_step = step + 1
             break
-    recovery, regrowth = _spikes(scales, skipped)
+    recovery, regrowth = _spikes(scales, overflowed)
     return PolicyResult(
         name=name,
         steps=len(scales),
-        skipped_steps=sum(skipped),
+        skipped_steps=sum(overflowed) + spike_skips,
         recovery_steps=recovery,
         regrowth_steps=regrowth,
         steps_at_floor=sum(s <= floor for s in scales),
@@ -282,6 +328,7 @@ def _replay(
         collapse_step=collapse_step,
         final_scale=float(state.scale),
         scales=tuple(scales),
+        spike_skips=spike_skips,
     )
 
 
@@ -316,7 +363,9 @@ def load_trace(source: str | Path) -> Trace:
     or a ``max_abs_grad`` column (numbers, ``nan``, ``inf``); other columns
     (``step``) are ignored. JSON: an object with a ``found`` list (bools) or a
     ``max_abs_grad`` list (numbers; ``null``, ``NaN`` or ``Infinity`` for a
-    non-finite step); other keys are ignored.
+    non-finite step); other keys are ignored. Either may add the per-step
+    global gradient norm, a ``grad_norm`` column or list (numbers, ``nan``,
+    ``inf``; ``null`` in JSON), which spike skipping needs.
 
     Args:
         source: A path, or a name from :data:`EXAMPLE_TRACES`.
@@ -386,7 +435,7 @@ def _flag(value: object, where: str) -> bool:
     raise TraceError(f"{where}: found={_show(value)}, but it must be 0, 1, true or false")
 
 
-def _grad(value: object, where: str) -> float:
+def _grad(value: object, where: str, key: str = "max_abs_grad") -> float:
     if value is None:
         return math.nan
     if isinstance(value, (int, float, str)) and not isinstance(value, bool):
@@ -396,10 +445,10 @@ def _grad(value: object, where: str) -> float:
             pass
         except OverflowError:  # an integer beyond every float
             raise TraceError(
-                f"{where}: max_abs_grad={_show(value)} is too large for a float; write "
+                f"{where}: {key}={_show(value)} is too large for a float; write "
                 f"Infinity (or inf) for a step that overflows at every scale"
             ) from None
-    raise TraceError(f"{where}: max_abs_grad={_show(value)}, but it must be a number, nan or inf")
+    raise TraceError(f"{where}: {key}={_show(value)}, but it must be a number, nan or inf")
 
 
 def _parse_csv(text: str, name: str, where: str) -> Trace:
@@ -415,14 +464,20 @@ def _parse_csv(text: str, name: str, where: str) -> Trace:
             raise TraceError(
                 f"trace {where!r} row {i} has {len(row)} cells but the header has {len(header)}"
             )
+    norms = None
+    if "grad_norm" in header:
+        col = header.index("grad_norm")
+        norms = tuple(
+            _grad(r[col], f"{where} row {i}", "grad_norm") for i, r in enumerate(rows[1:], start=2)
+        )
     if "found" in header:
         col = header.index("found")
         found = tuple(_flag(r[col], f"{where} row {i}") for i, r in enumerate(rows[1:], start=2))
-        return Trace(name=name, found=found)
+        return Trace(name=name, found=found, grad_norm=norms)
     if "max_abs_grad" in header:
         col = header.index("max_abs_grad")
         grads = tuple(_grad(r[col], f"{where} row {i}") for i, r in enumerate(rows[1:], start=2))
-        return Trace(name=name, max_abs_grad=grads)
+        return Trace(name=name, max_abs_grad=grads, grad_norm=norms)
     raise TraceError(
         f"trace {where!r} has columns {sorted(header)}, but it needs a 'found' or a "
         f"'max_abs_grad' column (and a header row)"
@@ -438,9 +493,15 @@ def _parse_json(text: str, name: str, where: str) -> Trace:
         raise TraceError(f"trace {where!r} is not valid JSON: {str(exc)[:200]}") from None
     if not isinstance(data, dict):
         raise TraceError(f"trace {where!r} holds a {type(data).__name__}, not a JSON object")
-    for key in ("found", "max_abs_grad"):
+    for key in ("found", "max_abs_grad", "grad_norm"):
         if key in data and not isinstance(data[key], list):
             raise TraceError(f"trace {where!r}: {key!r} must be a list")
+    norms = None
+    if "grad_norm" in data:
+        norms = tuple(
+            _grad(v, f"{where} grad_norm[{i}]", "grad_norm")
+            for i, v in enumerate(data["grad_norm"])
+        )
     source = data.get("source", "")
     if not isinstance(source, str):
         raise TraceError(f"trace {where!r}: 'source' must be a string")
@@ -451,6 +512,7 @@ def _parse_json(text: str, name: str, where: str) -> Trace:
             found=tuple(_flag(v, f"{where} found[{i}]") for i, v in enumerate(data["found"])),
             recorded_with=recorded_with,
             source=source,
+            grad_norm=norms,
         )
     if "max_abs_grad" in data:
         grads = data["max_abs_grad"]
@@ -458,6 +520,7 @@ def _parse_json(text: str, name: str, where: str) -> Trace:
             name=name,
             max_abs_grad=tuple(_grad(v, f"{where} max_abs_grad[{i}]") for i, v in enumerate(grads)),
             source=source,
+            grad_norm=norms,
         )
     raise TraceError(
         f"trace {where!r} has keys {sorted(data)}, but it needs a 'found' or a 'max_abs_grad' list"
@@ -491,8 +554,15 @@ _COLUMNS = (
 
 
 def format_report(trace: Trace, results: Mapping[str, PolicyResult], dtype: str) -> str:
-    """A plain-text table of :meth:`PolicyResult.summary` for every policy."""
-    rows = [[title for title, _ in _COLUMNS]]
+    """A plain-text table of :meth:`PolicyResult.summary` for every policy.
+
+    A trace with ``grad_norm`` adds a ``spike skips`` column after ``skipped``.
+    """
+    columns = list(_COLUMNS)
+    norms = trace.grad_norm is not None
+    if norms:
+        columns.insert(3, ("spike skips", "spike_skips"))
+    rows = [[title for title, _ in columns]]
     for result in results.values():
         s = result.summary()
         rows.append(
@@ -500,6 +570,7 @@ def format_report(trace: Trace, results: Mapping[str, PolicyResult], dtype: str)
                 s["policy"],
                 str(s["steps"]),
                 str(s["skipped_steps"]),
+                *([str(s["spike_skips"])] if norms else []),
                 str(s["spikes"]),
                 f"{_num(s['recovery_steps_mean'])}/{_num(s['recovery_steps_max'])}",
                 _num(s["regrowth_steps_mean"])
@@ -509,10 +580,11 @@ def format_report(trace: Trace, results: Mapping[str, PolicyResult], dtype: str)
                 f"{s['final_scale']:.6g}",
             ]
         )
-    widths = [max(len(r[i]) for r in rows) for i in range(len(_COLUMNS))]
+    widths = [max(len(r[i]) for r in rows) for i in range(len(columns))]
     lines = [
         f"trace {trace.name}: {len(trace)} steps, "
         + (f"max_abs_grad under {dtype}" if trace.max_abs_grad is not None else "found flags")
+        + (", grad_norm" if norms else "")
     ]
     for j, row in enumerate(rows):
         lines.append("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip())

@@ -30,22 +30,36 @@ from collections import defaultdict
 from typing import Any, cast
 
 import torch
-from torch.amp.grad_scaler import _refresh_per_optimizer_state
+from torch.amp.grad_scaler import OptState, _refresh_per_optimizer_state
 
 from ._config import ScalerConfig
 from ._errors import InvalidArgumentError
 from ._f32 import f32, is_normal_f32
+from ._lifecycle import StepReport
+from ._report import LeafReport, non_finite_leaves
 from ._serialize import from_dict, from_torch_state_dict, to_dict
-from ._state import DATA_FIELDS, ScalerState, device_update, host_update, init
+from ._state import DATA_FIELDS, FLOAT_FIELDS, ScalerState, device_update, host_update, init
+from .backends._torch import BACKEND as _TORCH
 from .backends._torch import TorchNamespace, check_for_fused, unscale_buckets
 
 __all__ = ["GradScaler"]
 
 #: The state fields beyond PyTorch's two tensors (``_scale``, ``_growth_tracker``).
-_EXTRA = DATA_FIELDS[2:]
+_EXTRA = tuple(name for name in DATA_FIELDS if name not in ("scale", "growth_tracker"))
 #: The key of ``state_dict()`` holding the whole scaler-core state (PyTorch ignores it).
 STATE_KEY = "scaler_core"
 _TORCH_DEFAULTS = (2.0**16, 2.0, 0.5, 2000)
+
+
+def _no_spikes(config: ScalerConfig) -> None:
+    """Refuse spike skipping: PyTorch's ``step`` decides the skip before any norm is known."""
+    if config.spike_threshold is not None:
+        raise InvalidArgumentError(
+            f"spike_threshold={config.spike_threshold!r}, but scaler_core.torch.GradScaler "
+            f"does not do spike skipping (torch.amp.GradScaler's step() decides the skip from "
+            f"the found flags alone); use spike_threshold=None here, or the functional API "
+            f"(scaler_core.update(state, found, grad_norm=...))"
+        )
 
 
 class GradScaler(torch.amp.GradScaler):
@@ -63,10 +77,20 @@ class GradScaler(torch.amp.GradScaler):
             numbers above (which must then keep their defaults).
         process_group: A ``torch.distributed`` group whose ranks must skip together:
             each optimizer's found flag is all-reduced (max) over it, once per step.
+        on_step: Called once per :meth:`update` with a
+            :class:`~scaler_core.StepReport` (the step's kind, scale, flag, and the
+            norm from :meth:`unscale_and_clip_`); nothing is read from the device
+            to build it. Like ``process_group``, it is not pickled.
+        report_leaves: On a step whose gradients hold NaN or inf, find which
+            (:func:`scaler_core.non_finite_leaves`, paths ``grads[group][index]``
+            in ``optimizer.param_groups`` order) and put them in the report. Costs
+            one host read of each optimizer's flag per unscale, and one more read
+            of the gradients only on such steps.
 
     Raises:
-        InvalidArgumentError: ``config`` is not a ScalerConfig, or is given with
-            PyTorch's numbers.
+        InvalidArgumentError: ``config`` is not a ScalerConfig, is given with
+            PyTorch's numbers, or has spike skipping on (``spike_threshold``:
+            PyTorch's ``step`` decides the skip from the found flags alone).
         InvalidConfigError: The numbers make no valid config (a growth interval
             of 0, an infinite scale).
 
@@ -88,6 +112,8 @@ class GradScaler(torch.amp.GradScaler):
         *,
         config: ScalerConfig | None = None,
         process_group: Any = None,
+        on_step: Any = None,
+        report_leaves: bool = False,
     ) -> None:
         if config is not None:
             if not isinstance(config, ScalerConfig):
@@ -106,6 +132,16 @@ class GradScaler(torch.amp.GradScaler):
             device, init_scale, growth_factor, backoff_factor, growth_interval, enabled
         )
         self._process_group = process_group
+        if on_step is not None and not callable(on_step):
+            raise InvalidArgumentError(
+                f"on_step={on_step!r}, but it must be a callable taking a StepReport (or None)"
+            )
+        if not isinstance(report_leaves, bool):
+            raise InvalidArgumentError(f"report_leaves={report_leaves!r}, but it must be a bool")
+        self._on_step = on_step
+        self._report_leaves = report_leaves
+        self._leaves: list[LeafReport] = []
+        self._norm: torch.Tensor | None = None
         self._mirror: ScalerState | None = None  # a CPU scaler's state at its last update
         self._stepped: dict[int, Any] = {}
         self._extra: dict[str, torch.Tensor] | None = None
@@ -119,6 +155,7 @@ class GradScaler(torch.amp.GradScaler):
                 backoff_factor=float(backoff_factor),
                 growth_interval=growth_interval,
             )
+        _no_spikes(config)
         self._config = config
         self._init_scale = config.init_scale
         self._start = init(config)
@@ -182,7 +219,12 @@ class GradScaler(torch.amp.GradScaler):
     def _lazy_init_scale_growth_tracker(self, dev: torch.device) -> None:
         super()._lazy_init_scale_growth_tracker(dev)
         self._extra = {
-            name: torch.full((), getattr(self._start, name), dtype=torch.int32, device=dev)
+            name: torch.full(
+                (),
+                getattr(self._start, name),
+                dtype=torch.float32 if name in FLOAT_FIELDS else torch.int32,
+                device=dev,
+            )
             for name in _EXTRA
         }
 
@@ -200,7 +242,17 @@ class GradScaler(torch.amp.GradScaler):
         found = {dev: found_inf.to(dev, copy=True, non_blocking=True) for dev in buckets}
         unscale_buckets(buckets, inv_scale, found, self._check_outputs(inv_scale))
         self._reduce(found)
+        self._look_for_leaves(optimizer, found)
         return found
+
+    def _look_for_leaves(
+        self, optimizer: torch.optim.Optimizer, found: dict[torch.device, torch.Tensor]
+    ) -> None:
+        """With ``report_leaves``, name the optimizer's non-finite gradients (if any)."""
+        if not self._report_leaves or not any(bool(f.item()) for f in found.values()):
+            return
+        grads = [[p.grad for p in group["params"]] for group in optimizer.param_groups]
+        self._leaves.extend(non_finite_leaves(grads, backend=_TORCH))
 
     def _check_inf_per_device(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         """For a fused optimizer, which unscales in its own kernel: check what that
@@ -288,6 +340,60 @@ class GradScaler(torch.amp.GradScaler):
             self._stepped[id(optimizer)] = True
         return retval
 
+    def unscale_and_clip_(self, optimizer: torch.optim.Optimizer, max_norm: float) -> torch.Tensor:
+        """``unscale_(optimizer)`` and ``clip_grad_norm_(its params, max_norm)`` in one call.
+
+        Returns the total norm of the unscaled gradients, as ``clip_grad_norm_`` does,
+        and records the optimizer's found flag as ``unscale_`` does (so ``step`` skips
+        as usual). On CPU it reads the gradients once and, unless the step will be
+        skipped, writes them once (clipped with ``clip_grad_norm_``'s coefficient);
+        on a skipped step it writes nothing. On an accelerator it is ``unscale_``,
+        the norm and one multiply, with no host synchronisation. The norm is summed in
+        float64 (``clip_grad_norm_`` sums in the gradients' dtype), so it can differ
+        from PyTorch's in the last float32 bits.
+
+        Raises:
+            RuntimeError: As ``unscale_``: called twice for the optimizer in a step, or
+                after ``step``.
+            InvalidArgumentError: ``max_norm`` is not a positive finite number.
+        """
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        if not self._enabled:
+            return torch.nn.utils.clip_grad_norm_(params, max_norm)
+        _scale, _ = self._check_scale_growth_tracker("unscale_")
+        optimizer_state = self._per_optimizer_states[id(optimizer)]
+        if optimizer_state["stage"] is OptState.UNSCALED:
+            raise RuntimeError(  # PyTorch's error
+                "unscale_() has already been called on this optimizer since the last update()."
+            )
+        if optimizer_state["stage"] is OptState.STEPPED:
+            raise RuntimeError("unscale_() is being called after step().")  # PyTorch's error
+        buckets = self._buckets(optimizer, allow_fp16=False)
+        if any(p.grad is not None and p.grad.is_sparse for p in params):
+            self.unscale_(optimizer)  # sparse values: PyTorch's own route
+            self._norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+            return self._norm
+        grads = [g for by_dtype in buckets.values() for ts in by_dtype.values() for g in ts]
+
+        def reduce(flag: torch.Tensor) -> torch.Tensor:
+            found = {flag.device: flag.float()}
+            self._reduce(found)
+            return found[flag.device] > 0
+
+        _, found, norm = _TORCH.unscale_clip(grads, _scale, max_norm, reduce)
+        optimizer_state["found_inf_per_device"] = {
+            dev: found.to(dev, dtype=torch.float32, non_blocking=True) for dev in buckets
+        }
+        self._look_for_leaves(optimizer, optimizer_state["found_inf_per_device"])
+        optimizer_state["stage"] = OptState.UNSCALED
+        self._norm = norm
+        return norm
+
+    @property
+    def grad_norm(self) -> torch.Tensor | None:
+        """The norm the last :meth:`unscale_and_clip_` returned (kept until the next one)."""
+        return self._norm
+
     # ------------------------------------------------------------------ update
     def update(self, new_scale: float | torch.Tensor | None = None) -> None:
         """As PyTorch's, through scaler-core's transition (every config, fail-closed).
@@ -312,21 +418,27 @@ class GradScaler(torch.amp.GradScaler):
         ]
         if len(found_infs) == 0:
             raise AssertionError("No inf checks were recorded prior to update.")  # PyTorch's error
+        flag: Any
         if _scale.device.type == "cpu":  # host values cost nothing to read here
             current = self._host_state()
-            new = host_update(current, any(f.item() for f in found_infs))
+            flag = any(f.item() for f in found_infs)
+            new = host_update(current, flag)
             for name in DATA_FIELDS:
                 value = getattr(new, name)
                 if value != getattr(current, name):
                     self._field(name).fill_(value)
             self._mirror = new
         else:
-            found = torch.stack([f.to(_scale.device, non_blocking=True) for f in found_infs])
-            found = found.sum() > 0
-            new = device_update(TorchNamespace(_scale.device), self._device_state(), found)
+            flag = torch.stack([f.to(_scale.device, non_blocking=True) for f in found_infs])
+            flag = flag.sum() > 0
+            new = device_update(TorchNamespace(_scale.device), self._device_state(), flag)
             for name in DATA_FIELDS:
                 self._field(name).copy_(getattr(new, name))
         self._per_optimizer_states = defaultdict(_refresh_per_optimizer_state)
+        norm, self._norm = self._norm, None
+        leaves, self._leaves = tuple(self._leaves), []
+        if self._on_step is not None:
+            self._on_step(StepReport(new, flag, norm, leaves))
 
     def _host_state(self) -> ScalerState:
         """The state of a CPU scaler: the copy kept at the last update, while the two
@@ -371,6 +483,7 @@ class GradScaler(torch.amp.GradScaler):
         """Drop this iteration's checks and keep the state: the way out after
         :meth:`update` refused a step (then resume from a checkpoint, or go on)."""
         self._per_optimizer_states = defaultdict(_refresh_per_optimizer_state)
+        self._leaves, self._norm = [], None
 
     # ------------------------------------------------------------------- reading
     def get_scale(self) -> float:
@@ -419,6 +532,8 @@ class GradScaler(torch.amp.GradScaler):
         Raises:
             RuntimeError: The dict is empty (as PyTorch raises).
             InvalidStateError: It is malformed; nothing is loaded.
+            InvalidArgumentError: Its config has spike skipping on (see
+                ``spike_threshold``); nothing is loaded.
         """
         if not self._enabled:
             return
@@ -435,6 +550,7 @@ class GradScaler(torch.amp.GradScaler):
         self._apply(loaded)
 
     def _apply(self, state: ScalerState) -> None:
+        _no_spikes(state.config)
         self._config = state.config
         self._start = state
         self._init_scale = state.scale
@@ -456,4 +572,6 @@ class GradScaler(torch.amp.GradScaler):
         out["_mirror"] = None
         out["_process_group"] = None  # a process group cannot be pickled: pass it again
         out["_stepped"] = {}
+        out["_on_step"] = None  # a callback may be a closure or lambda: pass it again
+        out["_leaves"], out["_norm"] = [], None
         return out

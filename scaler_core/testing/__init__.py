@@ -5,9 +5,10 @@
   it needs NumPy only.
 * :func:`check_policy` property-tests a scale policy ``policy(state, found) ->
   state`` on random configs and flag sequences, and the strategies
-  (:func:`configs`, :func:`states`, :func:`flag_sequences`, :func:`scales`,
-  :func:`gradient_trees`) serve your own properties. These need the ``test``
-  extra (hypothesis); without it, using one raises
+  (:func:`configs`, :func:`states`, :func:`flag_sequences`,
+  :func:`norm_sequences`, :func:`scales`, :func:`gradient_trees`) serve your
+  own properties. These need the ``test`` extra (hypothesis); without it, using
+  one raises
   :class:`~scaler_core.MissingDependencyError`.
 
 Run them from a plain test function in your own test file::
@@ -35,6 +36,7 @@ try:
         configs,
         flag_sequences,
         gradient_trees,
+        norm_sequences,
         scales,
         states,
     )
@@ -59,6 +61,7 @@ __all__ = [
     "configs",
     "flag_sequences",
     "gradient_trees",
+    "norm_sequences",
     "scales",
     "states",
 ]

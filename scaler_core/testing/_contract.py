@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import importlib
+import math
 from collections.abc import Callable, Iterable, Mapping
 from types import MappingProxyType
 from typing import Any, NamedTuple
@@ -460,6 +461,70 @@ def _check_update(c: _Check) -> None:
     c.raises(GradientTypeError, lambda: backend.update(state, 1), "update(state, 1)")
 
 
+def _exact_norm(arrays: Iterable[np.ndarray]) -> float:
+    return math.sqrt(math.fsum(float(v) ** 2 for a in arrays for v in a.astype(np.float64).ravel()))
+
+
+def _clipped(u: np.ndarray, coef: np.float32) -> np.ndarray:
+    """The rules' clipped value of an unscaled leaf: ``u * coef`` in float32 (float64 for
+    float64), rounded to the leaf's dtype."""
+    if u.dtype == np.dtype(np.float64):
+        return np.asarray(u * np.float64(coef))
+    return np.asarray(u.astype(np.float32) * coef, dtype=u.dtype)
+
+
+def _coefficient(norm: float, max_norm: float) -> np.float32:
+    """PyTorch's ``clip_grad_norm_`` coefficient in its float32 steps, clamped at 1."""
+    with np.errstate(divide="ignore", over="ignore", invalid="ignore"):
+        coef = (np.float32(1.0) / (np.float32(norm) + np.float32(1e-6))) * np.float32(max_norm)
+    out: np.float32 = np.float32(min(coef, np.float32(1.0)))
+    return out
+
+
+def _check_norm_and_clip(c: _Check) -> None:
+    """``unscale_norm`` writes ``unscale``'s bits and a norm within 1e-6 of the exact one
+    (non-finite with the flag); ``unscale_clip`` stores the rules' clipped values for its
+    norm, writes nothing on a skipped step (a planted NaN, or ``reduce`` saying skip), and
+    refuses a bad ``max_norm`` before anything changes."""
+    for i, dtype in enumerate(c.subject.dtypes):
+        host = _values(dtype, 1024.0, 37, seed=900 + i)
+        want = _unscaled(host, 1024.0)
+        exact = _exact_norm([want])
+        out, found, norm = c.backend.unscale_norm([c.array(host.copy())], 1024.0)
+        if not _same_bits(c.host(out[0]), want):
+            raise c.fail(f"unscale_norm of {dtype} did not store unscale()'s values")
+        got = float(c.host(norm))
+        if c.flag(found, "unscale_norm()") or abs(got - exact) > 1e-6 * exact:
+            raise c.fail(f"unscale_norm of {dtype} gave norm {got!r}, the exact one is {exact!r}")
+        out, found, norm = c.backend.unscale_clip([c.array(host.copy())], 1024.0, 1.0)
+        coef = _coefficient(float(c.host(norm)), 1.0)
+        if c.flag(found, "unscale_clip()") or not _same_bits(c.host(out[0]), _clipped(want, coef)):
+            raise c.fail(f"unscale_clip of {dtype} did not store the unscaled values times {coef}")
+        bad = host.copy()
+        bad[3] = np.nan
+        for reduce, grads in ((None, bad), (lambda f: c.backend.any(f, True), host)):
+            given = [c.array(grads.copy())]
+            out, found, norm = c.backend.unscale_clip(given, 1024.0, 1.0, reduce)
+            if not c.flag(found, "unscale_clip()"):
+                raise c.fail(f"unscale_clip of {dtype} did not report the skip")
+            if not (_same_bits(c.host(out[0]), grads) and _same_bits(c.host(given[0]), grads)):
+                raise c.fail(f"unscale_clip of {dtype} wrote to the gradients of a skipped step")
+        if math.isfinite(float(c.host(c.backend.unscale_norm([c.array(bad.copy())], 1024.0)[2]))):
+            raise c.fail(f"unscale_norm of {dtype} with a NaN gave a finite norm")
+    given = [c.array(_values(c.subject.dtypes[-1], 2.0, 5, seed=7))]
+    before = c.host(given[0])
+    bad_norms: tuple[Any, ...] = (0.0, -1.0, float("inf"), float("nan"), True, "1")
+    for max_norm in bad_norms:
+        c.raises(
+            InvalidArgumentError,
+            functools.partial(c.backend.unscale_clip, given, 2.0, max_norm),
+            f"unscale_clip(max_norm={max_norm!r})",
+            "max_norm",
+        )
+    if not _same_bits(c.host(given[0]), before):
+        raise c.fail("a refused unscale_clip changed the gradients")
+
+
 _CHECKS: Mapping[str, Callable[[_Check], None]] = MappingProxyType(
     {
         "protocol": _check_protocol,
@@ -467,6 +532,7 @@ _CHECKS: Mapping[str, Callable[[_Check], None]] = MappingProxyType(
         "unscale_trees": _check_unscale_trees,
         "subnormals": _check_subnormals,
         "find_non_finite": _check_find_non_finite,
+        "norm_and_clip": _check_norm_and_clip,
         "rejects_bad_leaves": _check_rejects_bad_leaves,
         "rejects_bad_scales": _check_rejects_bad_scales,
         "scale_loss": _check_scale_loss,

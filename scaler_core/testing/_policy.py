@@ -3,7 +3,9 @@
 Needs the ``test`` extra (hypothesis); :mod:`scaler_core.testing` re-exports all of it.
 A *policy* is any pure transition
 ``policy(state, found_non_finite) -> state`` over :class:`ScalerState`; the
-built-in one is :func:`scaler_core.update`. Check your own in your own test
+built-in one is :func:`scaler_core.update`. Under a config with spike skipping
+(``spike_threshold`` set; :func:`configs` draws those with ``spikes=True``) it is
+called as ``policy(state, found_non_finite, grad_norm)``. Check your own in your own test
 file (from a plain test function, not inside another ``@given``)::
 
     from scaler_core.testing import check_policy
@@ -16,8 +18,8 @@ after every step, checks bounds, purity, determinism, fail-closed behaviour and
 skip accounting. A violation raises :class:`PolicyViolationError` whose message names
 the broken property and the shrunk (minimal) flag sequence and config that
 reproduce it. The strategies (:func:`configs`, :func:`states`,
-:func:`flag_sequences`, :func:`scales`, :func:`gradient_trees`) are there for
-your own properties.
+:func:`flag_sequences`, :func:`norm_sequences`, :func:`scales`,
+:func:`gradient_trees`) are there for your own properties.
 """
 
 from __future__ import annotations
@@ -46,7 +48,7 @@ except ImportError as exc:  # pragma: no cover - exercised only without hypothes
 from .._config import ScalerConfig
 from .._errors import BackendUnavailableError, PolicyViolationError, ScaleCollapseError
 from .._f32 import FLT_MAX, FLT_MIN, INT32_MAX, f32
-from .._state import DATA_FIELDS, ScalerState, init
+from .._state import DATA_FIELDS, LAST_KIND_CODES, ScalerState, StepKind, classify, init
 
 __all__ = [
     "Policy",
@@ -57,12 +59,14 @@ __all__ = [
     "configs",
     "flag_sequences",
     "gradient_trees",
+    "norm_sequences",
     "scales",
     "states",
 ]
 
-#: A transition: ``policy(state, found_non_finite) -> next state``.
-Policy = Callable[[ScalerState, Any], ScalerState]
+#: A transition: ``policy(state, found_non_finite) -> next state`` (with spike
+#: skipping on: ``policy(state, found_non_finite, grad_norm)``).
+Policy = Callable[..., ScalerState]
 
 #: Factors every backend multiplies exactly (float32 values).
 _GROWTH = [1.5, 2.0, 3.0, 4.0, 1.0009765625, 65536.0]
@@ -82,6 +86,8 @@ def configs(
     *,
     torch_compatible: bool = False,
     max_growth_interval: int = 20,
+    spikes: bool = False,
+    max_spike_window: int = 8,
 ) -> ScalerConfig:
     """Valid :class:`ScalerConfig` values, knobs included.
 
@@ -89,6 +95,10 @@ def configs(
         torch_compatible: Only configs within PyTorch's semantics (no floor,
             ceiling, hysteresis, skip limit; dynamic).
         max_growth_interval: Keep intervals small so growth happens in tests.
+        spikes: Turn spike skipping on: draw ``spike_threshold`` and
+            ``spike_window`` too (a policy is then called with the norm). Off
+            by default, so policies of two arguments keep working.
+        max_spike_window: Keep windows small so detection starts in tests.
     """
     init_scale = draw(st.one_of(st.sampled_from([1.0, 2.0**16, 2.0**-120, 2.0**120]), scales()))
     kwargs: dict[str, Any] = {
@@ -112,6 +122,11 @@ def configs(
     if draw(st.booleans()):
         kwargs["max_consecutive_skips"] = draw(st.integers(0, 30))
     kwargs["dynamic"] = draw(st.booleans()) or draw(st.booleans())
+    if spikes:
+        kwargs["spike_threshold"] = draw(
+            st.one_of(st.sampled_from([0.5, 1.0, 2.0, 3.0, 6.0]), st.floats(0.01, 100.0))
+        )
+        kwargs["spike_window"] = draw(st.integers(2, max(2, max_spike_window)))
     return ScalerConfig(**kwargs)
 
 
@@ -139,6 +154,15 @@ def states(
     limit = (
         skipped if cfg.max_consecutive_skips is None else min(skipped, cfg.max_consecutive_skips)
     )
+    window: dict[str, Any] = {}
+    if cfg.spike_threshold is not None:
+        stat = st.floats(0, 1e6, width=32).map(lambda v: v if v == 0 or v >= FLT_MIN else 0.0)
+        window = {
+            "norm_mean": draw(stat),
+            "norm_var": draw(stat),
+            "norm_count": draw(st.integers(0, cfg.spike_window)),
+            "last_kind": draw(st.sampled_from(sorted(LAST_KIND_CODES))),
+        }
     return ScalerState(
         config=cfg,
         scale=scale,
@@ -147,6 +171,7 @@ def states(
         steps=steps,
         skipped_steps=skipped,
         consecutive_skips=draw(st.integers(0, limit)),
+        **window,
     )
 
 
@@ -168,6 +193,38 @@ def flag_sequences(
         st.lists(st.booleans(), min_size=min_size, max_size=max_size),
         bursts.filter(lambda xs: min_size <= len(xs) <= max_size),
     )
+
+
+#: Multiples of the calm level that :func:`norm_sequences` plants as spikes.
+_SPIKES = [3.0, 10.0, 1e3, 1e6]
+#: Values a norm can take on a bad step: non-finite, zero, overflowing d*d, subnormal.
+_ODD_NORMS = [math.nan, math.inf, 0.0, 1e30, 1e-40]
+
+
+@st.composite
+def norm_sequences(
+    draw: st.DrawFn, min_size: int = 0, max_size: int = 200, *, odd: bool = True
+) -> list[float]:
+    """Lists of per-step global gradient norms, for spike skipping.
+
+    A calm level with relative noise (none to 50 %), with planted spikes (the
+    level times 3 to a million) and, with ``odd``, the odd values a real norm
+    takes now and then: NaN, inf, 0, values whose square overflows float32,
+    float32 subnormals.
+    """
+    n = draw(st.integers(min_size, max_size))
+    level = draw(st.one_of(st.sampled_from([1.0, 1e-3, 3.0, 1e4]), st.floats(1e-6, 1e6)))
+    noise = draw(st.sampled_from([0.1, 0.0, 0.01, 0.5]))
+    out: list[float] = []
+    for _ in range(n):
+        pick = draw(st.integers(0, 15))
+        if pick == 1:
+            out.append(level * draw(st.sampled_from(_SPIKES)))
+        elif pick == 2 and odd:  # noqa: PLR2004 - the second of the rare kinds
+            out.append(draw(st.sampled_from(_ODD_NORMS)))
+        else:
+            out.append(level * (1.0 + noise * draw(st.floats(-1.0, 1.0))))
+    return out
 
 
 _ALL_DTYPES = ("float16", "bfloat16", "float32", "float64")
@@ -251,7 +308,9 @@ def check_invariants(state: ScalerState) -> None:
     """Raise :class:`PolicyViolationError` naming the broken invariant of a host state.
 
     Checks: the scale is a positive, finite, normal float32 within the bounds;
-    the trackers are in range; the counters add up.
+    the trackers are in range; the counters add up; the spike window's
+    statistics are finite float32 values (the variance >= 0) and its count at
+    most ``spike_window``; ``last_kind`` is a valid code.
     """
     cfg = state.config
     s = state.scale
@@ -277,6 +336,17 @@ def check_invariants(state: ScalerState) -> None:
     )
     limit = cfg.max_consecutive_skips
     need(limit is None or state.consecutive_skips <= limit, "consecutive_skips <= limit")
+    mean, var = state.norm_mean, state.norm_var
+    need(
+        isinstance(mean, float) and math.isfinite(mean) and f32(mean) == mean,
+        "norm_mean is a finite float32",
+    )
+    need(
+        isinstance(var, float) and math.isfinite(var) and f32(var) == var and var >= 0,
+        "norm_var is a finite float32 >= 0",
+    )
+    need(0 <= state.norm_count <= cfg.spike_window, "0 <= norm_count <= spike_window")
+    need(state.last_kind in LAST_KIND_CODES, "last_kind is 0 or a non-failing StepKind code")
 
 
 def _snapshot(state: ScalerState) -> tuple[Any, ...]:
@@ -294,7 +364,9 @@ def _sat(n: int) -> int:
     return min(n + 1, INT32_MAX)
 
 
-def check_step(policy: Policy, state: ScalerState, found: bool) -> ScalerState | None:
+def check_step(
+    policy: Policy, state: ScalerState, found: bool, grad_norm: float | None = None
+) -> ScalerState | None:
     """Apply ``policy`` once and check every property of one step.
 
     Properties: the result is a :class:`ScalerState` with the same config
@@ -303,12 +375,17 @@ def check_step(policy: Policy, state: ScalerState, found: bool) -> ScalerState |
     :class:`ScaleCollapseError` or :class:`SkipLimitError` and nothing else
     (*fail-closed*); the result passes :func:`check_invariants` (*bounds*);
     ``steps`` grows by one, ``skipped_steps`` by one exactly on a non-finite
-    step, ``consecutive_skips`` counts the current run (*skip accounting*).
+    or spike step, ``consecutive_skips`` counts the current run (*skip
+    accounting*); a spike step (as :func:`scaler_core.classify` decides it)
+    leaves the scale, the growth and the hysteresis trackers as they were and
+    records ``StepKind.SPIKE_SKIP`` (*spike skip*).
 
     Args:
-        policy: The transition under test.
+        policy: The transition under test; called with ``grad_norm`` as a
+            third argument when the config has spike skipping on.
         state: A host state that satisfies the invariants.
         found: This step's flag.
+        grad_norm: This step's gradient norm (needed with spike skipping on).
 
     Returns:
         The next state, or ``None`` when the policy refused the step.
@@ -321,8 +398,11 @@ def check_step(policy: Policy, state: ScalerState, found: bool) -> ScalerState |
     def fail(prop: str, detail: str) -> PolicyViolationError:
         return PolicyViolationError(f"{prop}: {detail}")
 
+    spiking = state.config.spike_threshold is not None
+    args: tuple[Any, ...] = (state, found, grad_norm) if spiking else (state, found)
+    spike = spiking and classify(state, found, grad_norm) is StepKind.SPIKE_SKIP
     try:
-        new = policy(state, found)
+        new = policy(*args)
     except ScaleCollapseError:
         if _snapshot(state) != before:
             raise fail("purity", "the policy changed its input state before refusing") from None
@@ -340,24 +420,36 @@ def check_step(policy: Policy, state: ScalerState, found: bool) -> ScalerState |
     if _snapshot(state) != before:
         raise fail("purity", f"the policy changed its input state to {state!r}")
     try:
-        again = policy(state, found)
+        again = policy(*args)
     except Exception as exc:
         raise fail("determinism", f"a second identical call raised {exc!r}") from exc
     if not isinstance(again, ScalerState) or _snapshot(again) != _snapshot(new):
         raise fail("determinism", f"two identical calls gave {new!r} and {again!r}")
+    skipped = found or spike
     expected = (
         _sat(state.steps),
-        _sat(state.skipped_steps) if found else state.skipped_steps,
-        _sat(state.consecutive_skips) if found else 0,
+        _sat(state.skipped_steps) if skipped else state.skipped_steps,
+        _sat(state.consecutive_skips) if skipped else 0,
     )
     got = (new.steps, new.skipped_steps, new.consecutive_skips)
     if got != expected:
+        what = "non-finite" if found else "spike" if spike else "clean"
         raise fail(
             "skip accounting",
             f"(steps, skipped_steps, consecutive_skips) went from "
             f"{(state.steps, state.skipped_steps, state.consecutive_skips)} to {got} on a "
-            f"{'non-finite' if found else 'clean'} step; expected {expected}",
+            f"{what} step; expected {expected}",
         )
+    if spike:
+        kept = ("scale", "growth_tracker", "hysteresis_tracker")
+        moved = [n for n in kept if getattr(new, n) != getattr(state, n)]
+        if moved or new.last_kind != StepKind.SPIKE_SKIP.code:
+            raise fail(
+                "spike skip",
+                f"a spike step (grad_norm={grad_norm!r}) changed {moved} or recorded "
+                f"last_kind={new.last_kind!r}; it must keep the scale and both trackers "
+                f"and record StepKind.SPIKE_SKIP ({StepKind.SPIKE_SKIP.code})",
+            )
     try:
         check_invariants(new)
     except PolicyViolationError as exc:
@@ -375,8 +467,11 @@ def check_policy(
     """Property-test a policy on random configs and flag sequences.
 
     Every sequence starts from ``init(config)``; each step goes through
-    :func:`check_step`. Hypothesis shrinks a failure to a minimal config and
-    flag sequence, and the raised message prints both, ready to paste.
+    :func:`check_step`. A config with spike skipping on (from
+    ``configs(spikes=True)``) also draws a :func:`norm_sequences` of the same
+    length and passes each norm as the policy's third argument. Hypothesis
+    shrinks a failure to a minimal config and flag sequence, and the raised
+    message prints both, ready to paste.
 
     Args:
         policy: ``policy(state, found) -> state``.
@@ -398,22 +493,28 @@ def check_policy(
     if isinstance(strategy, ScalerConfig):
         strategy = st.just(strategy)
 
-    @given(strategy, flag_sequences(max_size=max_steps))
-    def run(cfg: ScalerConfig, flags: list[bool]) -> None:
+    @given(strategy, flag_sequences(max_size=max_steps), st.data())
+    def run(cfg: ScalerConfig, flags: list[bool], data: st.DataObject) -> None:
         state: ScalerState | None = init(cfg)
+        norms: list[float] | None = None
+        if cfg.spike_threshold is not None:
+            norms = data.draw(norm_sequences(len(flags), len(flags)), label="norms")
         for i, flag in enumerate(flags):
             assert state is not None
             prior = state
             try:
-                state = check_step(policy, state, flag)
+                state = check_step(policy, state, flag, None if norms is None else norms[i])
             except PolicyViolationError as exc:
+                shown = "" if norms is None else f"\n  with norms={norms[: i + 1]!r}"
+                call = "f" if norms is None else "f, g"
+                loop = "f in flags" if norms is None else "f, g in zip(flags, norms)"
                 raise PolicyViolationError(
                     f"policy {name} broke {exc}\n"
-                    f"  at step {i} of flags={flags[: i + 1]!r}\n"
+                    f"  at step {i} of flags={flags[: i + 1]!r}{shown}\n"
                     f"  from init(config) with config={cfg!r}\n"
                     f"  state before the step: {prior!r}\n"
                     f"  reproduce: state = init(config); "
-                    f"for f in flags: state = {name}(state, f)"
+                    f"for {loop}: state = {name}(state, {call})"
                 ) from None
             if state is None:
                 return

@@ -2,11 +2,15 @@
 
 Skipped, with the reason, where CuPy or a CUDA device is missing. Everything is
 compared with the NumPy reference backend: values bit for bit (a NaN may carry
-another payload: GPUs produce the canonical NaN), flags exactly.
+another payload: GPUs produce the canonical NaN), flags exactly. Norms are
+compared with an exactly summed float64 reference and with the NumPy backend's,
+to within one float32 ulp; clipped values bit for bit with the reference
+arithmetic given the same coefficient.
 """
 
 from __future__ import annotations
 
+import math
 import warnings
 from typing import Any
 
@@ -30,13 +34,19 @@ if _N_GPUS == 0:
 
 from scaler_core import cupy as sc_cupy  # noqa: E402
 from scaler_core.backends import _cupy  # noqa: E402 - only where CuPy and a GPU exist
-from scaler_core.backends._numpy_reference import NumpyReferenceBackend  # noqa: E402
+from scaler_core.backends._common import clip_coefficient, inv_scale_of  # noqa: E402
+from scaler_core.backends._numpy_reference import (  # noqa: E402
+    NumpyReferenceBackend,
+    clip_in_place,
+    unscaled_copy,
+)
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 DTYPES = [np.dtype(np.float16), BF16, np.dtype(np.float32), np.dtype(np.float64)]
 UINT = {2: np.uint16, 4: np.uint32, 8: np.uint64}
 NP = NumpyReferenceBackend()  # the reference implementation is the oracle
 CP = sc.get_backend("cupy")
+NUMPY = sc.get_backend("numpy")  # the fast NumPy backend, for the norms
 
 
 # ------------------------------------------------------------------ helpers
@@ -315,8 +325,9 @@ def test_device_transition_equals_host_transition(cfg: sc.ScalerConfig, flags: l
                 host = host_update(host, flag)
             except sc.ScaleCollapseError as exc:
                 failed = type(exc)
-        got = [dev.scale.get().item(), *(int(getattr(dev, n).get()) for n in DATA_FIELDS[1:-1])]
-        want = [host.scale, *(getattr(host, n) for n in DATA_FIELDS[1:-1])]
+        kept = [n for n in DATA_FIELDS if n != "failure"]
+        got = [getattr(dev, n).get().item() for n in kept]
+        want = [getattr(host, n) for n in kept]
         assert got == want
         assert (int(dev.failure.get()) != 0) == (failed is not None)
     if failed is not None:
@@ -545,3 +556,372 @@ def test_a_bad_device_scale_fails_closed_without_a_host_read(bad: float) -> None
     assert not np.isfinite(to_host(grads[0])).any()
     loss = CP.scale_loss(cupy.ones((), np.float32), cupy.asarray(bad, np.float32))
     assert not np.isfinite(float(loss.get()))
+
+
+# ------------------------------------------------------------ norm and clipping
+LAYOUTS = ["0-d", "empty", "small odd", "2-D", "multi-chunk", "transposed", "strided", "misaligned"]
+
+
+def clip_values(rng: np.random.Generator, shape: Any, dtype: np.dtype[Any]) -> Any:
+    """Finite values over most of the dtype's range, subnormals included, with a float32 norm."""
+    n = int(np.prod(shape))
+    low, top = {"float16": (-26, 8), "bfloat16": (-134, 40)}.get(dtype.name, (-150, 40))
+    if dtype.name == "float64":
+        low = -1070
+    mag = rng.standard_normal(n) * 2.0 ** rng.integers(low, top, n).astype(np.float64)
+    return mag.astype(dtype).reshape(shape)
+
+
+def clip_case(seed: int, dtypes: list[np.dtype[Any]]) -> tuple[list[Any], list[np.ndarray]]:
+    """Device arrays in every layout and their host twins, finite values only."""
+    rng = np.random.default_rng(seed)
+    dev, host = [], []
+    for dt in dtypes:
+        for name in LAYOUTS:
+            shape = {
+                "0-d": (),
+                "empty": (0,),
+                "small odd": (7,),
+                "2-D": (33, 65),
+                "multi-chunk": (_cupy.CHUNK_BYTES // dt.itemsize * 2 + 13,),
+                "transposed": (40, 31),
+                "strided": (301,),
+                "misaligned": (1001,),
+            }[name]
+            h = clip_values(rng, shape, dt)
+            dev.append(device_layout(name, h))
+            host.append(h.copy())
+    return dev, host
+
+
+def exact_norm(arrays: list[Any]) -> np.float32:
+    """math.fsum of the float64 squares of the values, its sqrt rounded to float32."""
+    squares: list[float] = []
+    for a in arrays:
+        squares.extend(np.square(np.asarray(a).astype(np.float64)).ravel().tolist())
+    try:
+        total = math.fsum(squares)
+    except OverflowError:
+        total = math.inf
+    return np.float32(math.sqrt(total))
+
+
+def ulps(a: Any, b: Any) -> int:
+    """How many float32 steps apart two non-negative float32 values are."""
+    bits = [int(np.asarray(x, np.float32).view(np.int32)) for x in (a, b)]
+    return abs(bits[0] - bits[1])
+
+
+def host_norm(norm: Any) -> np.float32:
+    assert isinstance(norm, cupy.ndarray)
+    assert norm.shape == ()
+    assert norm.dtype == np.float32
+    return np.float32(norm.get())
+
+
+def raw(dev: Any) -> np.ndarray:
+    """The exact bytes of a device array, as unsigned ints (NaN payloads included)."""
+    return to_host(dev).view(UINT[dev.dtype.itemsize]).copy()
+
+
+def fresh(host: list[np.ndarray]) -> tuple[list[Any], list[np.ndarray]]:
+    """Device copies (contiguous) and host copies of the same values."""
+    return [device_copy(h) for h in host], [h.copy() for h in host]
+
+
+def expected_clip(host: list[np.ndarray], scale: float, coef: np.float32) -> list[np.ndarray]:
+    """The reference arithmetic: unscale's stored value times ``coef``, in each dtype."""
+    inv = inv_scale_of(scale)
+    out = []
+    with np.errstate(all="ignore"):
+        for h in host:
+            g = h.copy()
+            clip_in_place(g, np.asarray(unscaled_copy(h, inv)), coef)
+            out.append(g)
+    return out
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("scale", [1.0, 3.0, 65536.0, 2.0**-6])
+def test_unscale_norm_is_unscale_plus_the_norm(dtype: Any, scale: float) -> None:
+    dev, host = clip_case(21, [dtype])
+    twin = [h.copy() for h in host]
+    _, found, norm = CP.unscale_norm(dev, scale)
+    _, want = NP.unscale(host, scale)  # host now holds what unscale stores
+    assert isinstance(found, cupy.ndarray)
+    assert found.shape == ()
+    assert found.dtype == np.bool_
+    assert bool(found.get()) is bool(want) is False
+    for d, h in zip(dev, host, strict=True):
+        assert_same_bits(to_host(d), h, f"{d.shape} {d.strides}")
+    got = host_norm(norm)
+    ref = exact_norm(host)  # the stored (rounded) values, exactly summed
+    assert np.isfinite(ref)
+    assert ref > 0
+    assert ulps(got, ref) <= 1, (got, ref)
+    _, _, numpy_norm = NUMPY.unscale_norm(twin, scale)
+    assert ulps(got, numpy_norm) <= 1, (got, numpy_norm)
+
+
+def test_unscale_norm_of_a_mixed_tree() -> None:
+    dev, host = clip_case(22, DTYPES)
+    tree = {"layers": [dev[:8], {"h": dev[8:16]}], "rest": tuple(dev[16:])}
+    _, found, norm = CP.unscale_norm(tree, 512.0)
+    NP.unscale(host, 512.0)
+    assert not bool(found.get())
+    for d, h in zip(dev, host, strict=True):
+        assert_same_bits(to_host(d), h)
+    assert ulps(host_norm(norm), exact_norm(host)) <= 1
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("planted", [np.inf, -np.inf, np.nan])
+def test_a_non_finite_value_gives_the_flag_and_a_non_finite_norm(
+    dtype: Any, planted: float
+) -> None:
+    dev, host = clip_case(23, [dtype])
+    set_value(dev[4], host[4], 17, planted)  # the multi-chunk leaf
+    _, found, norm = CP.unscale_norm(dev, 4.0)
+    _, want = NP.unscale(host, 4.0)
+    assert bool(found.get()) is bool(want) is True
+    got = host_norm(norm)
+    assert np.isnan(got) if np.isnan(planted) else got == np.inf
+    for d, h in zip(dev, host, strict=True):
+        assert_same_bits(to_host(d), h)
+
+
+def test_an_empty_tree_has_norm_zero() -> None:
+    for grads in ([], [cupy.zeros(0, np.float32)], {"a": None}):
+        _, found, norm = CP.unscale_norm(grads, 2.0)
+        assert not bool(found.get())
+        assert host_norm(norm) == 0.0
+        _, found, norm = CP.unscale_clip(grads, 2.0, 1.0)
+        assert not bool(found.get())
+        assert host_norm(norm) == 0.0
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("scale", [1.0, 3.0, 65536.0])
+@pytest.mark.parametrize("clips", [True, False], ids=["clips", "coef-1"])
+def test_unscale_clip_equals_the_reference_arithmetic(
+    dtype: Any, scale: float, clips: bool
+) -> None:
+    dev, host = clip_case(31, [dtype])
+    inv = inv_scale_of(scale)
+    with np.errstate(all="ignore"):
+        ref_norm = exact_norm([np.asarray(unscaled_copy(h, inv)) for h in host])
+    max_norm = float(ref_norm) / 3.0 if clips else 1e30
+    _, found, norm = CP.unscale_clip(dev, scale, max_norm)
+    assert not bool(found.get())
+    got_norm = host_norm(norm)
+    assert ulps(got_norm, ref_norm) <= 1, (got_norm, ref_norm)
+    coef = clip_coefficient(got_norm, max_norm)
+    assert (coef < 1.0) == clips
+    for d, want in zip(dev, expected_clip(host, scale, coef), strict=True):
+        assert_same_bits(to_host(d), want, f"{d.shape} {d.strides}")
+    if not clips:  # coef == 1: exactly unscale's bits
+        plain, _ = fresh(host)
+        CP.unscale(plain, scale)
+        for d, p in zip(dev, plain, strict=True):
+            assert_same_bits(to_host(d), to_host(p))
+
+
+def test_unscale_clip_of_a_mixed_tree_and_its_norm_is_unscale_norms() -> None:
+    dev, host = clip_case(32, DTYPES)
+    twin, _ = clip_case(32, DTYPES)
+    _, _, norm_once = CP.unscale_norm(twin, 8.0)
+    tree = {"a": dev[:13], "b": {"c": dev[13:], "d": None}}
+    _, found, norm = CP.unscale_clip(tree, 8.0, 0.5)
+    assert not bool(found.get())
+    got = host_norm(norm)
+    assert got.view(np.uint32) == host_norm(norm_once).view(np.uint32)  # the same sums
+    coef = clip_coefficient(got, 0.5)
+    assert coef < 1.0
+    for d, want in zip(dev, expected_clip(host, 8.0, coef), strict=True):
+        assert_same_bits(to_host(d), want)
+
+
+def test_unscale_clip_matches_the_numpy_backends() -> None:
+    dev, host = clip_case(33, DTYPES)
+    _, found, norm = CP.unscale_clip(dev, 1024.0, 2.0)
+    _, want_found, want_norm = NUMPY.unscale_clip(host, 1024.0, 2.0)
+    assert bool(found.get()) is bool(want_found) is False
+    got = host_norm(norm)
+    assert ulps(got, want_norm) <= 1
+    if got == want_norm:  # the same coefficient: the same bits
+        for d, h in zip(dev, host, strict=True):
+            assert_same_bits(to_host(d), h)
+
+
+def test_a_norm_past_float32s_range_clips_to_zero_like_pytorch() -> None:
+    g = device_copy(np.array([3e38, -3e38, 1.0, -0.0], np.float32))
+    _, found, norm = CP.unscale_clip([g], 1.0, 1.0)
+    assert not bool(found.get())  # every value is finite
+    assert host_norm(norm) == np.inf
+    assert clip_coefficient(np.float32(np.inf), 1.0) == 0.0
+    assert raw(g).tolist() == np.array([0.0, -0.0, 0.0, -0.0], np.float32).view(np.uint32).tolist()
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("planted", [np.inf, np.nan])
+def test_a_skipped_step_writes_nothing(dtype: Any, planted: float) -> None:
+    dev, host = clip_case(41, [dtype])
+    set_value(dev[6], host[6], 100, planted)  # the strided leaf
+    before = [raw(d) for d in dev]
+    _, found, norm = CP.unscale_clip(dev, 65536.0, 1e-3)
+    assert bool(found.get())
+    assert not np.isfinite(host_norm(norm))
+    for d, b in zip(dev, before, strict=True):
+        np.testing.assert_array_equal(raw(d), b)  # every byte as it was, scaled values kept
+
+
+def test_reduce_decides_the_skip() -> None:
+    host = clip_case(42, DTYPES)[1]
+    seen: list[Any] = []
+
+    def always_skip(flag: Any) -> Any:
+        seen.append(flag)
+        return cupy.asarray(True)
+
+    dev, _ = fresh(host)
+    before = [raw(d) for d in dev]
+    _, found, norm = CP.unscale_clip(dev, 4.0, 0.5, reduce=always_skip)
+    [flag] = seen
+    assert isinstance(flag, cupy.ndarray)
+    assert flag.shape == ()
+    assert flag.dtype == np.bool_
+    assert bool(flag.get()) is False  # this call's own flag
+    assert bool(found.get()) is True  # the decision is reduce's
+    assert np.isfinite(host_norm(norm))
+    for d, b in zip(dev, before, strict=True):
+        np.testing.assert_array_equal(raw(d), b)
+    dev, _ = fresh(host)
+    CP.unscale_clip(dev, 4.0, 0.5, reduce=lambda flag: True)  # a host answer works too
+    for d, b in zip(dev, before, strict=True):
+        np.testing.assert_array_equal(raw(d), b)
+    # A reduce that keeps the step gives exactly the result without one.
+    dev, _ = fresh(host)
+    plain, _ = fresh(host)
+    other = cupy.asarray(False)
+    _, found, _ = CP.unscale_clip(dev, 4.0, 0.5, reduce=lambda flag: CP.any(flag, other))
+    CP.unscale_clip(plain, 4.0, 0.5)
+    assert bool(found.get()) is False
+    for d, p in zip(dev, plain, strict=True):
+        assert_same_bits(to_host(d), to_host(p))
+    assert any(not np.array_equal(raw(d), b) for d, b in zip(dev, before, strict=True))
+
+
+def test_norms_and_clipping_are_deterministic() -> None:
+    rng = np.random.default_rng(51)
+    host = [
+        clip_values(rng, (int(n),), DTYPES[i % 4])
+        for i, n in enumerate(rng.integers(1, 400_000, 24))
+    ]
+    host = [np.abs(h).astype(h.dtype) + h.dtype.type(1) for h in host]  # a big norm: clips
+    runs = []
+    for _ in range(3):
+        dev, _ = fresh(host)
+        _, _, n1 = CP.unscale_norm(dev, 2.0)
+        dev, _ = fresh(host)
+        _, _, n2 = CP.unscale_clip(dev, 2.0, 1.0)
+        runs.append((host_norm(n1).view(np.uint32), host_norm(n2).view(np.uint32), dev))
+    assert len({(int(a), int(b)) for a, b, _ in runs}) == 1
+    assert runs[0][0] == runs[0][1]
+    for d0, d1, d2 in zip(runs[0][2], runs[1][2], runs[2][2], strict=True):
+        np.testing.assert_array_equal(raw(d0), raw(d1))
+        np.testing.assert_array_equal(raw(d0), raw(d2))
+    assert ulps(host_norm(n1), exact_norm([unscaled_copy(h, 0.5) for h in host])) <= 1
+
+
+def test_device_scale_and_the_functional_api_give_the_host_scale_result() -> None:
+    state = sc_cupy.to_device(sc.init(sc.ScalerConfig(init_scale=3.0)))
+    host = clip_case(52, DTYPES)[1]
+    a, _ = fresh(host)
+    b, _ = fresh(host)
+    _, fa, na = CP.unscale_clip(a, state.scale, 0.25)
+    _, fb, nb = sc.unscale_and_clip(b, 3.0, 0.25)
+    assert bool(fa.get()) is bool(fb.get()) is False
+    assert host_norm(na).view(np.uint32) == host_norm(nb).view(np.uint32)
+    for x, y in zip(a, b, strict=True):
+        assert_same_bits(to_host(x), to_host(y))
+    c, _ = fresh(host)
+    d, _ = fresh(host)
+    _, _, nc = sc.unscale_and_norm(c, state)
+    _, _, nd = CP.unscale_norm(d, 3.0)
+    assert host_norm(nc).view(np.uint32) == host_norm(nd).view(np.uint32)
+
+
+def test_refused_norm_and_clip_calls_modify_nothing() -> None:
+    good = cupy.full(5, 4.0, np.float32)
+    for max_norm in (0.0, float("nan"), True, 1e39):
+        with pytest.raises(sc.InvalidArgumentError, match="max_norm="):
+            CP.unscale_clip([good], 2.0, max_norm)
+    for call in (
+        lambda: CP.unscale_norm([good, cupy.ones(3, np.int32)], 2.0),
+        lambda: CP.unscale_clip([good, cupy.ones(3, np.int32)], 2.0, 1.0),
+        lambda: CP.unscale_clip([good], 0.0, 1.0),
+    ):
+        with pytest.raises(sc.InvalidGradientError):
+            call()
+    with pytest.raises(sc.GradientTypeError, match=r"reduce\(found\)="):
+        CP.unscale_clip([good], 2.0, 1.0, reduce=lambda flag: "no")
+    assert to_host(good).tolist() == [4.0] * 5
+
+
+def test_norm_and_clip_perform_no_host_sync(monkeypatch: pytest.MonkeyPatch) -> None:
+    state = sc_cupy.to_device(sc.init(sc.ScalerConfig(init_scale=256.0)))
+    base = cupy.full(9, 512.0, np.float64)
+    grads = {
+        "w": [device_copy(np.full(5000, 256.0, np.float16)), cupy.full((64, 64), 512.0, "f4")],
+        "b": base[::2],  # non-contiguous: through a contiguous copy and the copy-back kernel
+    }
+    other = cupy.asarray(False)
+    one = sc_cupy.to_device(sc.init(sc.ScalerConfig(init_scale=1.0))).scale
+    # Warm up (scale 1, no clipping: nothing changes): compile the kernels, upload the tables.
+    CP.unscale_norm(grads, one)
+    CP.unscale_clip(grads, one, 1e30, reduce=lambda flag: CP.any(flag, other))
+    CP.unscale_clip(grads, 1.0, 1e30)
+    cupy.cuda.Stream.null.synchronize()
+    for name in _SYNCING:
+        monkeypatch.setattr(cupy.ndarray, name, _forbid, raising=False)
+    monkeypatch.setattr(cupy, "asnumpy", _forbid)
+    guard = getattr(__import__("cupyx"), "allow_synchronize", None)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # allow_synchronize is "experimental"
+        with guard(False) if guard is not None else _Null():
+            _, f1, n1 = CP.unscale_norm(grads, state.scale)  # 256 -> 1, 512 -> 2
+            _, f2, n2 = CP.unscale_clip(
+                grads, state.scale, 1e30, reduce=lambda flag: CP.any(flag, other)
+            )  # -> 2**-8, 2**-7; no clipping
+            _, f3, n3 = CP.unscale_clip(grads, 1.0, 1e-3)  # clipped
+            new_state = sc.update(state, CP.any(f1, f2, f3))
+    monkeypatch.undo()
+    assert not bool(CP.any(f1, f2, f3).get())
+    norm_one = math.sqrt(5000 * 1.0 + 4096 * 4.0 + 5 * 4.0)
+    assert ulps(host_norm(n1), np.float32(norm_one)) <= 1
+    assert ulps(host_norm(n2), np.float32(norm_one / 256)) <= 1
+    assert ulps(host_norm(n3), np.float32(norm_one / 256)) <= 1
+    coef = clip_coefficient(host_norm(n3), 1e-3)
+    assert to_host(grads["w"][1]).tolist()[0][:2] == [float(np.float32(2.0**-7) * coef)] * 2
+    assert to_host(base).tolist()[:2] == [float(np.float64(2.0**-7) * np.float64(coef)), 512.0]
+    assert new_state.to_host().growth_tracker == 1
+
+
+def test_the_clip_coefficient_is_pytorchs() -> None:
+    """Oracle: torch.nn.utils.clip_grad_norm_ on CUDA float32 gradients, given its own norm,
+    stores the same bits as the reference arithmetic our clip pass follows. (For float16
+    or float64 gradients PyTorch forms the norm, and so the coefficient, in their dtype.)"""
+    torch = pytest.importorskip("torch", reason="PyTorch is not installed")
+    if not torch.cuda.is_available():
+        pytest.skip("this PyTorch has no CUDA")
+    host = clip_values(np.random.default_rng(61), (5000,), np.dtype(np.float32))
+    p = torch.nn.Parameter(torch.zeros(5000, device="cuda", dtype=torch.float32))
+    p.grad = torch.from_numpy(host.copy()).cuda()
+    total = torch.nn.utils.clip_grad_norm_([p], 0.5)
+    coef = clip_coefficient(np.float32(total.float().item()), 0.5)
+    assert coef < 1.0
+    [want] = expected_clip([host], 1.0, coef)
+    assert_same_bits(p.grad.cpu().numpy(), want)
+    ours = device_copy(host)
+    _, _, norm = CP.unscale_clip([ours], 1.0, 0.5)
+    assert abs(float(host_norm(norm)) / float(total.item()) - 1.0) < 1e-5

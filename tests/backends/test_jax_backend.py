@@ -188,7 +188,9 @@ def test_whole_step_runs_without_host_sync_and_traces_once() -> None:
         p3, s3 = jitted(p2, clean, s2)
         jax.block_until_ready((p3, s3))
     assert len(traces) == 1, "jit must trace once for both flag values"
-    assert s3.to_host() == sc.ScalerState(sc.ScalerConfig(), 32768.0, 1, 1, 3, 1, 0, 0)
+    assert s3.to_host() == sc.ScalerState(
+        sc.ScalerConfig(), 32768.0, 1, 1, 3, 1, 0, 0, last_kind=sc.StepKind.COUNT.code
+    )
     np.testing.assert_array_equal(np.asarray(p2["w"]), np.asarray(p1["w"]))
     np.testing.assert_allclose(np.asarray(p1["w"]), 0.9, rtol=1e-6)
 

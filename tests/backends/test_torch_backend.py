@@ -5,6 +5,7 @@ The rules every backend keeps are checked once, for every backend, in
 
 from __future__ import annotations
 
+import math
 import subprocess
 import sys
 import warnings
@@ -152,3 +153,10 @@ def test_float64_values_beyond_float32s_range_are_finite() -> None:
     assert not bool(found)
     _, found = BACKEND.unscale([big.clone()], 2.0**-100)  # 1e300 * 2**100 is inf in float64
     assert bool(found)
+
+
+def test_empty_tensors_are_checked_like_any_other() -> None:
+    torch = pytest.importorskip("torch")
+    assert not bool(sc.find_non_finite([torch.zeros(0), torch.ones(2)]))
+    assert bool(sc.find_non_finite([torch.zeros((0, 3)), torch.tensor([math.inf])]))
+    assert not bool(sc.find_non_finite({"e": torch.zeros(0, dtype=torch.bfloat16)}))

@@ -138,3 +138,70 @@ def test_torch_bench_rejects_an_unknown_measurement() -> None:
     run = _run(sys.executable, "benchmarks/bench_torch.py", "--only", "cycle,step", timeout=120)
     assert run.returncode == 2
     assert "--only='cycle,step'" in run.stderr
+
+
+def test_clip_bench_times_every_row_after_checking_them_against_pytorch(tmp_path: Path) -> None:
+    pytest.importorskip("torch")
+    pytest.importorskip("numba")
+    out = tmp_path / "clip.json"
+    run = _run(
+        *(sys.executable, "benchmarks/bench_clip.py", "--small", "--reps", "1"),
+        *("--warmup", "0", "--json", str(out)),
+        timeout=300,
+    )
+    assert run.returncode == 0, run.stderr
+    report = json.loads(out.read_text())
+    assert report["status"] == "ok"
+    assert [r["set"] for r in report["results"]] == ["gpt2-small", "2000x1024"]
+    for r in report["results"]:
+        assert list(r["rows"]) == [
+            "pytorch",
+            "sc_fused",
+            "sc_unfused",
+            "sc_unscale_norm",
+            "bound_2r1w",
+            "bound_1r1w",
+        ]
+        assert all(row["reps"] == 1 and row["median_ms"] > 0 for row in r["rows"].values())
+        assert r["rows"]["pytorch"]["speedup_vs_pytorch"] == 1.0
+        assert r["rows"]["bound_2r1w"]["over_bound_2r1w"] == 1.0
+        check = r["check"]
+        assert check["passed"]
+        assert set(check["rows"]) == {"pytorch", "sc_fused", "sc_unfused", "sc_unscale_norm"}
+        for name, row in check["rows"].items():
+            assert row["found"] is False
+            assert row["norm_rel_err"] <= (1e-2 if name == "pytorch" else 1e-5)
+        assert check["rows"]["sc_fused"]["max_rel_err"] <= 1e-5
+        assert check["exact_norm"] > 1.0  # max_norm is 1.0: the clip wrote
+    assert "| gpt2-small | sc_fused |" in report["table"]
+
+
+def test_clip_bench_on_cuda_is_skipped_cleanly_without_a_gpu(tmp_path: Path) -> None:
+    torch = pytest.importorskip("torch")
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA GPU is here: the skip path does not apply")
+    out = tmp_path / "clip.json"
+    run = _run(
+        *(sys.executable, "benchmarks/bench_clip.py", "--device", "cuda", "--json", str(out)),
+        timeout=120,
+    )
+    assert run.returncode == 0, run.stderr
+    assert "skipped" in run.stdout
+    assert json.loads(out.read_text())["status"] == "skipped"
+
+
+def test_optax_clip_bench_checks_both_clips_agree(tmp_path: Path) -> None:
+    pytest.importorskip("optax")
+    out = tmp_path / "optax.json"
+    run = _run(
+        *(sys.executable, "benchmarks/bench_optax_clip.py", "--leaves", "3", "--size", "1000"),
+        *("--reps", "1", "--json", str(out)),
+        timeout=300,
+    )
+    assert run.returncode == 0, run.stderr
+    report = json.loads(out.read_text())
+    assert set(report["median_ms"]) == {"unscale_and_clip", "unscale_then_optax_clip", "unscale"}
+    assert report["max_rel_diff"] <= 1e-6
+    bad = _run(sys.executable, "benchmarks/bench_optax_clip.py", "--reps", "0", timeout=60)
+    assert bad.returncode == 2
+    assert len(bad.stderr.strip().splitlines()) == 1

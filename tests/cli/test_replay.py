@@ -296,3 +296,74 @@ def test_found_flags_replayed_under_another_policy_say_so(
     report = simulate(trace, {"same": trace.recorded_with, "torch": "torch"})
     assert report["same"].matches_recording is True
     assert report["torch"].matches_recording is False
+
+
+# ------------------------------------------------------------ spike skipping
+def _spike_csv(path: Path, *, norms: bool = True) -> Path:
+    rows = ["step,max_abs_grad" + (",grad_norm" if norms else "")]
+    for i in range(40):
+        norm = 50.0 if i in (25, 33) else 1.0 + 0.01 * (i % 5)
+        rows.append(f"{i},0.5" + (f",{norm}" if norms else ""))
+    path.write_text("\n".join(rows) + "\n", encoding="utf-8")
+    return path
+
+
+def test_a_trace_with_grad_norm_replays_spike_skipping(tmp_path: Path) -> None:
+    trace = load_trace(_spike_csv(tmp_path / "t.csv"))
+    assert trace.grad_norm is not None
+    assert trace.grad_norm[25] == 50.0
+    spiky = sc.preset("torch", spike_threshold=4.0, spike_window=8)
+    results = simulate(trace, {"torch": "torch", "spiky": spiky})
+    assert results["torch"].spike_skips == 0
+    assert results["torch"].skipped_steps == 0
+    res = results["spiky"]
+    assert (res.spike_skips, res.skipped_steps) == (2, 2)
+    assert res.recovery_steps == ()  # spike skips are not overflow spikes
+    assert res.summary()["spike_skips"] == 2
+    # The same trajectory as update with the norms, step by step.
+    state = sc.init(spiky)
+    for norm in trace.grad_norm:
+        state = sc.update(state, False, grad_norm=norm)
+    assert state.skipped_steps == 2
+    assert res.final_scale == state.scale
+    report = sc.simulate.format_report(trace, results, "float16")
+    header = report.splitlines()[1].split()
+    assert header[:5] == ["policy", "steps", "skipped", "spike", "skips"]
+    assert report.splitlines()[0].endswith(", grad_norm")
+
+
+def test_a_json_trace_carries_grad_norm_too(tmp_path: Path) -> None:
+    path = tmp_path / "t.json"
+    path.write_text(json.dumps({"found": [False, True, False], "grad_norm": [1.0, None, 2.0]}))
+    trace = load_trace(path)
+    assert trace.grad_norm is not None
+    assert trace.grad_norm[0] == 1.0
+    assert math.isnan(trace.grad_norm[1])
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"found": [False, True], "grad_norm": [1.0]}))
+    with pytest.raises(TraceError, match="1 grad_norm values for 2 steps"):
+        load_trace(bad)
+    bad.write_text(json.dumps({"found": [False], "grad_norm": ["x"]}))
+    with pytest.raises(TraceError, match=r"grad_norm\[0\]: grad_norm='x', but it must be a number"):
+        load_trace(bad)
+    with pytest.raises(TraceError, match=r"grad_norm\[0\]=-1\.0"):
+        Trace(found=(False,), grad_norm=(-1.0,))
+
+
+def test_spike_skipping_on_a_trace_without_grad_norm_is_refused(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = _spike_csv(tmp_path / "plain.csv", norms=False)
+    with pytest.raises(TraceError, match="has no grad_norm"):
+        simulate(load_trace(path), {"s": sc.ScalerConfig(spike_threshold=3.0)})
+    (tmp_path / "spiky_policy.py").write_text(
+        "import scaler_core as sc\nspiky = sc.ScalerConfig(spike_threshold=3.0)\n"
+    )
+    sys.path.insert(0, str(tmp_path))
+    try:
+        assert main(["simulate", str(path), "--policy", "spiky_policy:spiky"]) == 2
+    finally:
+        sys.path.remove(str(tmp_path))
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1
+    assert "has no grad_norm" in err

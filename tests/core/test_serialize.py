@@ -13,6 +13,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import scaler_core as sc
+from scaler_core._serialize import SCHEMA_VERSION
 from scaler_core.testing import configs, flag_sequences
 
 
@@ -60,7 +61,7 @@ MALFORMED = {
     "not a dict": ([1, 2], "a dict"),
     "none": (None, "a dict"),
     "other schema": (edit(("schema",), "torch"), "schema"),
-    "future version": (edit(("version",), 2), "upgrade"),
+    "future version": (edit(("version",), SCHEMA_VERSION + 1), "upgrade"),
     "bool version": (edit(("version",), True), "version"),
     "unknown key": ({**good(), "extra": 1}, "unknown keys"),
     "missing state": (drop(("state",)), "missing keys"),

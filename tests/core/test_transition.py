@@ -9,6 +9,7 @@ flags and checks the invariants after every step.
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
 
 import numpy as np
@@ -344,3 +345,137 @@ def test_a_backoff_that_rounds_up_to_the_smallest_normal_is_one_on_every_path() 
         host = sc.update(state, True)
         dev = sc.device_update(np, state, np.bool_(True))
         assert dev.to_host() == host
+
+
+# ------------------------------------------------------------ spike skipping
+def _flush(value: np.float32) -> np.float32:
+    """XLA's flush of float32 subnormals, which every path of the rule applies."""
+    return np.float32(0.0) if abs(float(value)) < F32_TINY else np.float32(value)
+
+
+@dataclasses.dataclass
+class SpikeModel:
+    """An independent statement of the spike rule (docs/policies.md, "Spike skipping")."""
+
+    k2: np.float32
+    window: int
+    mean: np.float32 = dataclasses.field(default_factory=lambda: np.float32(0.0))
+    var: np.float32 = dataclasses.field(default_factory=lambda: np.float32(0.0))
+    count: int = 0
+
+    def is_spike(self, x: np.float32) -> bool:
+        with np.errstate(all="ignore"):
+            d = _flush(x - self.mean)
+            return bool(
+                self.count >= self.window and d > 0 and _flush(d * d) > _flush(self.k2 * self.var)
+            )
+
+    def absorb(self, x: np.float32) -> None:
+        with np.errstate(all="ignore"):
+            if not np.isfinite(x):
+                return
+            d = _flush(x - self.mean)
+            dd = _flush(d * d)
+            n = min(self.count + 1, self.window)
+            a = _flush(np.float32(1.0) / np.float32(n))
+            mean = _flush(self.mean + _flush(a * d))
+            var = _flush(_flush(np.float32(1.0) - a) * _flush(self.var + _flush(a * dd)))
+        if np.isfinite(dd) and np.isfinite(mean) and np.isfinite(var):
+            self.mean, self.var, self.count = mean, var, n
+
+
+NORMS = st.one_of(
+    st.sampled_from([1.0, 1.1, 0.9, 1.0, 50.0, 0.0, math.nan, math.inf, 1e30, 1e-40]),
+    st.floats(0.0, 10.0),
+)
+
+
+class SpikeMachine(RuleBasedStateMachine):
+    """``update`` with spike skipping against the scaler model plus the spike model."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.state: sc.ScalerState
+        self.model: Model
+        self.spikes: SpikeModel
+
+    @initialize(cfg=configs(spikes=True, max_spike_window=4))
+    def start(self, cfg: sc.ScalerConfig) -> None:
+        assert cfg.spike_threshold is not None
+        self.state = sc.init(cfg)
+        self.model = Model.start(cfg)
+        k = cfg.spike_threshold
+        self.spikes = SpikeModel(np.float32(np.float64(k) * np.float64(k)), cfg.spike_window)
+
+    @rule(found=st.booleans(), norm=NORMS)
+    def step(self, found: bool, norm: float) -> None:
+        before = self.state
+        snapshot = dataclasses.astuple(before)
+        x = _flush(np.float32(norm))
+        spike = not found and self.spikes.is_spike(x)
+        saved_model, saved_spikes = (
+            dataclasses.replace(self.model),
+            dataclasses.replace(self.spikes),
+        )
+        try:
+            if spike:
+                cfg = before.config
+                limit = cfg.max_consecutive_skips
+                if limit is not None and self.model.consec >= limit:
+                    raise RefusedError("skip limit")
+                self.model.steps += 1
+                self.model.skipped += 1
+                self.model.consec += 1
+            else:
+                self.model.step(found)
+        except RefusedError as why:
+            self.model, self.spikes = saved_model, saved_spikes
+            note(f"model refuses: {why}")
+            with pytest.raises(sc.ScaleCollapseError):
+                sc.update(before, found, grad_norm=norm)
+            assert dataclasses.astuple(before) == snapshot
+            return
+        if not found:
+            self.spikes.absorb(x)
+        after = sc.update(before, found, grad_norm=norm)
+        assert dataclasses.astuple(before) == snapshot, "update mutated its input"
+        assert self.model.matches(after), (after, self.model)
+        assert (after.last_step is sc.StepKind.SPIKE_SKIP) == spike
+        if spike:
+            assert (after.scale, after.growth_tracker, after.hysteresis_tracker) == (
+                before.scale,
+                before.growth_tracker,
+                before.hysteresis_tracker,
+            )
+        assert (after.norm_mean, after.norm_var, after.norm_count) == (
+            float(self.spikes.mean),
+            float(self.spikes.var),
+            self.spikes.count,
+        )
+        with np.errstate(all="ignore"):  # float32 overflow is part of the rules on a device
+            dev = sc.device_update(np, before, np.bool_(found), np.float32(norm))
+        assert dev.to_host() == after
+        self.state = after
+
+    @invariant()
+    def invariants_hold(self) -> None:
+        if hasattr(self, "state"):
+            check_invariants(self.state)
+
+
+TestSpikeMachine = SpikeMachine.TestCase
+
+
+def test_the_spike_model_catches_a_mutant_rule() -> None:
+    """The model is not vacuous: a rule that also skips downward outliers disagrees with it."""
+    model = SpikeModel(np.float32(1.0), 2, np.float32(10.0), np.float32(1.0), 2)
+    assert model.is_spike(np.float32(12.0))
+    assert not model.is_spike(np.float32(8.0))  # below the mean: never a spike
+    state = dataclasses.replace(
+        sc.init(sc.ScalerConfig(spike_threshold=1.0, spike_window=2)),
+        norm_mean=10.0,
+        norm_var=1.0,
+        norm_count=2,
+    )
+    assert sc.classify(state, False, 8.0) is not sc.StepKind.SPIKE_SKIP
+    assert sc.classify(state, False, 12.0) is sc.StepKind.SPIKE_SKIP

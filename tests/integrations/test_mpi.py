@@ -214,6 +214,7 @@ def test_helpers_semantics_under_mpi(launcher: Launcher, tmp_path: Path) -> None
             "state.steps",
             "state.skipped_steps",
             "state.consecutive_skips",
+            "state.last_kind",  # rank 2 backed off; ranks 0-1 have not stepped
         }
         assert sm["differences"]["state.scale"] == {"0": 65536.0, "1": 65536.0, "2": 32768.0}
         assert "state.scale: 65536.0 on ranks 0-1; 32768.0 on rank 2" in sm["message"]

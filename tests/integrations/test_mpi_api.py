@@ -46,11 +46,12 @@ def test_replica_mismatch_error_is_a_scaler_error_and_a_runtime_error() -> None:
 
 # ------------------------------------------------------------------ fingerprints
 #: Pinned digests: the encoding is part of the contract (equal states give equal fingerprints
-#: on every platform and Python version), so a change here must bump the "fingerprint/1" domain.
-#: (Re-pinned when ScalerConfig gained at_max_scale: every config field is digested.)
+#: on every platform and Python version), so a change here must bump the "fingerprint/N" domain.
+#: (Re-pinned when ScalerConfig gained at_max_scale: every config field is digested; and with
+#: the domain bumped to "fingerprint/2" when the state gained spike skipping's fields.)
 GOLDEN = {
-    "init": "ff6f68c9a6924f6681feede986d6bf65",
-    "backed_off_with_params": "a9ce6aa9f7867f64bef1482391d4abe4",
+    "init": "bdc2b1631aad2436f3bab9ff5ece5120",
+    "backed_off_with_params": "4a87af5fab8cf2b1775a8bbed1c2189b",
 }
 GOLDEN_CODE = textwrap.dedent(
     """
@@ -92,6 +93,10 @@ def _field_variants(state: sc.ScalerState) -> list[tuple[str, sc.ScalerState]]:
             dataclasses.replace(state, consecutive_skips=state.consecutive_skips + 1),
         ),
         ("failure", dataclasses.replace(state, failure=int(sc.Failure.COLLAPSE))),
+        ("norm_mean", dataclasses.replace(state, norm_mean=1.5)),
+        ("norm_var", dataclasses.replace(state, norm_var=0.25)),
+        ("norm_count", dataclasses.replace(state, norm_count=state.norm_count + 1)),
+        ("last_kind", dataclasses.replace(state, last_kind=sc.StepKind.SPIKE_SKIP.code)),
     ]
     cfg = state.config
     config_changes: dict[str, Any] = {
@@ -106,6 +111,8 @@ def _field_variants(state: sc.ScalerState) -> list[tuple[str, sc.ScalerState]]:
         "at_max_scale": "clamp",
         "max_consecutive_skips": 5,
         "dynamic": False,
+        "spike_threshold": 3.0,
+        "spike_window": 64,
     }
     for name, value in config_changes.items():
         out.append(
@@ -286,6 +293,7 @@ def test_disagreeing_replicas_all_raise_naming_ranks_and_fields() -> None:
         "state.steps",
         "state.skipped_steps",
         "state.consecutive_skips",
+        "state.last_kind",
     }
     assert exc.differences["state.scale"] == {
         r: (32768.0 if r in (3, 7) else 65536.0) for r in range(10)

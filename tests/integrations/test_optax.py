@@ -136,3 +136,29 @@ def test_loss_scale_reads_an_nnx_optimizers_state() -> None:
     assert float(scale) == 65536.0
     with pytest.raises(sc.InvalidArgumentError, match="LossScaledState"):
         loss_scale({"scaler": None})  # type: ignore[arg-type]
+
+
+def test_a_spike_is_skipped_inside_jit_like_an_overflow() -> None:
+    config = sc.ScalerConfig(spike_threshold=3.0, spike_window=8)
+    tx = loss_scaled(optax.sgd(0.1), config)
+    params = {"w": jnp.zeros(16)}
+    opt_state = tx.init(params)
+    rng = np.random.default_rng(0)
+
+    @jax.jit
+    def step(params: Any, opt_state: Any, g: Any) -> Any:
+        grads = jax.tree_util.tree_map(lambda x: x * loss_scale(opt_state), g)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state
+
+    for i in range(12):
+        size = 100.0 if i == 10 else 1.0
+        before = params
+        g = {"w": jnp.asarray(rng.standard_normal(16).astype(np.float32) * size)}
+        params, opt_state = step(params, opt_state, g)
+        moved = not bool(jnp.array_equal(before["w"], params["w"]))
+        assert moved is (i != 10), i
+        assert bool(opt_state.found) is (i == 10)
+    assert opt_state.scaler.last_step is sc.StepKind.COUNT
+    assert int(opt_state.scaler.skipped_steps) == 1
+    assert float(loss_scale(opt_state)) == 65536.0

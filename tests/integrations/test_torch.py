@@ -459,3 +459,54 @@ def test_a_new_scale_that_is_no_scale_is_refused(bad: Any) -> None:
     assert scaler.get_scale() == 8.0
     scaler.update(1024)  # an int is a scale too (PyTorch's class fails on it)
     assert scaler.get_scale() == 1024.0
+
+
+def _one_step(scaler: GradScaler, grad: float) -> None:
+    param = torch.nn.Parameter(torch.ones(2))
+    opt = torch.optim.SGD([param], lr=0.1)
+    scaler.scale(param.sum()).backward()
+    param.grad = torch.full((2,), grad)
+    scaler.step(opt)
+    scaler.update()
+
+
+def test_the_state_dict_carries_the_spike_fields_and_a_version_1_payload_loads() -> None:
+    scaler = GradScaler("cpu", init_scale=2.0**10, growth_interval=3)
+    _one_step(scaler, float("inf"))
+    _one_step(scaler, 1.0)
+    saved = scaler.state_dict()
+    payload = saved["scaler_core"]
+    assert payload["version"] == 2
+    assert payload["state"]["last_kind"] == sc.StepKind.COUNT.code
+    assert {"norm_mean", "norm_var", "norm_count"} <= set(payload["state"])
+    assert payload["config"]["spike_threshold"] is None
+    # As scaler-core wrote it before spike skipping existed:
+    old = copy.deepcopy(payload)
+    old["version"] = 1
+    for key in ("spike_threshold", "spike_window"):
+        del old["config"][key]
+    for key in ("norm_mean", "norm_var", "norm_count", "last_kind"):
+        del old["state"][key]
+    fresh = GradScaler("cpu")
+    fresh.load_state_dict({**saved, "scaler_core": old})
+    assert fresh.state.scale == scaler.state.scale == 2.0**9
+    assert (fresh.state.steps, fresh.state.skipped_steps) == (2, 1)
+    assert fresh.state.last_step is None
+    _one_step(fresh, 1.0)  # the float32 statistics tensors live next to the counters
+    assert fresh.state.last_step is sc.StepKind.COUNT
+    assert fresh._extra is not None
+    assert fresh._extra["norm_mean"].dtype == torch.float32
+    assert fresh._extra["norm_count"].dtype == torch.int32
+
+
+def test_the_drop_in_refuses_spike_skipping_with_the_way_out() -> None:
+    config = sc.ScalerConfig(spike_threshold=6.0)
+    with pytest.raises(sc.InvalidArgumentError, match=r"spike_threshold=6\.0.*functional API"):
+        GradScaler("cpu", config=config)
+    scaler = GradScaler("cpu")
+    saved = scaler.state_dict()
+    saved["scaler_core"] = sc.to_dict(sc.init(config))
+    before = scaler.state
+    with pytest.raises(sc.InvalidArgumentError, match="spike_threshold"):
+        scaler.load_state_dict(saved)
+    assert scaler.state == before

@@ -1,0 +1,103 @@
+"""The facade's clipping, norm and per-step hooks."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import scaler_core as sc
+
+
+def test_unscale_and_clip_clips_a_taken_step_and_reports_it() -> None:
+    reports: list[sc.StepReport] = []
+    scaler = sc.GradScaler(on_step=reports.append)
+    grads = {"w": np.array([6.0, 8.0], np.float32) * 65536}
+    scaler.unscale_and_clip(grads, 1.0)
+    assert float(scaler.grad_norm) == 10.0
+    assert np.allclose(grads["w"], [0.6, 0.8])
+    assert scaler.phase is sc.StepPhase.DECIDED
+    assert scaler.step(lambda: "stepped") == "stepped"
+    scaler.update()
+    assert len(reports) == 1
+    assert reports[0].kind is sc.StepKind.COUNT
+    assert float(reports[0].grad_norm) == 10.0
+    assert reports[0].scale == 65536.0
+    assert scaler.last_report is reports[0]
+
+
+def test_a_skipped_step_is_not_touched_and_the_leaf_is_named() -> None:
+    reports: list[sc.StepReport] = []
+    scaler = sc.GradScaler(on_step=reports.append, report_leaves=True)
+    grads = {"ok": np.ones(4, np.float32), "layer3": {"w": np.array([np.inf, 1.0], np.float32)}}
+    before = {"ok": grads["ok"].copy(), "w": grads["layer3"]["w"].copy()}
+    scaler.unscale_and_clip(grads, 1.0)
+    assert np.array_equal(grads["ok"], before["ok"])
+    assert np.array_equal(grads["layer3"]["w"], before["w"])
+    assert scaler.step(lambda: "stepped") is None
+    scaler.update()
+    (report,) = reports
+    assert report.kind is sc.StepKind.BACKOFF
+    assert [str(leaf) for leaf in report.leaves] == ["grads['layer3']['w']: 1 inf, 0 nan"]
+
+
+def test_an_earlier_group_s_overflow_skips_the_clipped_group_too() -> None:
+    scaler = sc.GradScaler()
+    scaler.unscale([np.array([np.nan], np.float32)], group="first")
+    second = [np.full(3, 8.0, np.float32)]
+    scaler.unscale_and_clip(second, 1.0, group="second")
+    assert np.all(second[0] == 8.0)  # not written: the step is skipped
+    assert scaler.should_skip_step()
+
+
+def test_the_reduced_flag_decides_the_write() -> None:
+    scaler = sc.GradScaler(reduce_found=lambda found: np.bool_(True))
+    grads = [np.full(3, 8.0, np.float32)]
+    scaler.unscale_and_clip(grads, 1.0)
+    assert np.all(grads[0] == 8.0)
+
+
+def test_unscale_and_norm_and_refusals() -> None:
+    scaler = sc.GradScaler()
+    grads = [np.array([3.0, 4.0], np.float32) * 65536]
+    scaler.unscale_and_norm(grads)
+    assert float(scaler.grad_norm) == 5.0
+    assert grads[0].tolist() == [3.0, 4.0]
+    with pytest.raises(sc.LifecycleError, match="already been called"):
+        scaler.unscale_and_clip(grads, 1.0)
+    scaler.update()
+    with pytest.raises(sc.InvalidArgumentError, match="max_norm=-1"):
+        scaler.unscale_and_clip(grads, -1)
+    assert scaler.phase is sc.StepPhase.READY
+    assert grads[0].tolist() == [3.0, 4.0]
+    with pytest.raises(sc.InvalidArgumentError, match="on_step="):
+        sc.GradScaler(on_step=3)  # type: ignore[arg-type]
+
+
+def test_two_groups_norms_combine_as_one_vector() -> None:
+    scaler = sc.GradScaler(sc.ScalerConfig(init_scale=1.0))
+    scaler.unscale_and_norm([np.array([3.0], np.float32)], group="a")
+    scaler.unscale_and_norm([np.array([4.0], np.float32)], group="b")
+    assert float(scaler.grad_norm) == pytest.approx(5.0)
+
+
+def test_a_spike_skips_the_optimizer_step_and_keeps_the_scale() -> None:
+    config = sc.ScalerConfig(spike_threshold=3.0, spike_window=8)
+    scaler = sc.GradScaler(config)
+    rng = np.random.default_rng(0)
+    stepped = []
+    for i in range(12):
+        size = 100.0 if i == 10 else 1.0
+        grads = [rng.standard_normal(64).astype(np.float32) * size * scaler.scale]
+        scaler.unscale_and_norm(grads)
+        stepped.append(scaler.step(lambda: True) is not None)
+        scaler.update()
+    assert stepped == [True] * 10 + [False, True]
+    assert scaler.state.skipped_steps == 1
+    assert scaler.scale == 65536.0
+
+
+def test_spike_skipping_without_a_norm_is_refused_with_the_fix() -> None:
+    scaler = sc.GradScaler(sc.ScalerConfig(spike_threshold=3.0))
+    scaler.unscale([np.ones(3, np.float32)])
+    with pytest.raises(sc.InvalidArgumentError, match="unscale_and_norm"):
+        scaler.should_skip_step()

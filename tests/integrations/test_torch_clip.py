@@ -1,0 +1,104 @@
+"""``GradScaler.unscale_and_clip_``: one call for ``unscale_`` then ``clip_grad_norm_``."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from scaler_core import InvalidArgumentError, StepKind, StepReport  # noqa: E402
+from scaler_core.torch import GradScaler  # noqa: E402
+
+
+def _train(fused: bool, steps: int = 30) -> tuple[list, list, float, list]:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.Tanh(), torch.nn.Linear(64, 8))
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    reports: list[StepReport] = []
+    if fused:
+        scaler = GradScaler("cpu", init_scale=2.0**12, growth_interval=5, on_step=reports.append)
+    else:
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0**12, growth_interval=5)
+    norms = []
+    for i in range(steps):
+        x = torch.randn(16, 32)
+        loss = model(x).square().sum() * 10
+        if i in (4, 11):
+            loss = loss * math.inf
+        scaler.scale(loss).backward()
+        if fused:
+            norm = scaler.unscale_and_clip_(opt, 1.0)
+        else:
+            scaler.unscale_(opt)
+            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        norms.append(float(norm))
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+    return [p.detach().clone() for p in model.parameters()], norms, scaler.get_scale(), reports
+
+
+def test_it_trains_as_unscale_then_clip_grad_norm() -> None:
+    ours, our_norms, our_scale, reports = _train(True)
+    theirs, their_norms, their_scale, _ = _train(False)
+    assert our_scale == their_scale
+    for a, b in zip(ours, theirs, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    for a, b in zip(our_norms, their_norms, strict=True):
+        assert (math.isnan(a) and math.isnan(b)) or a == pytest.approx(b, rel=1e-5)
+    kinds = [r.kind for r in reports]
+    assert len(kinds) == 30
+    assert kinds[4] is StepKind.BACKOFF
+    assert kinds[11] is StepKind.BACKOFF
+    assert all(r.grad_norm is not None for r in reports)
+
+
+def test_a_skipped_step_leaves_the_gradients_alone() -> None:
+    param = torch.nn.Parameter(torch.zeros(4))
+    opt = torch.optim.SGD([param], lr=1.0)
+    scaler = GradScaler("cpu", init_scale=8.0)
+    scaler.scale(torch.ones(()))
+    param.grad = torch.tensor([8.0, math.inf, 1.0, 2.0])
+    before = param.grad.clone()
+    norm = scaler.unscale_and_clip_(opt, 1.0)
+    assert not math.isfinite(norm.item())
+    assert torch.equal(param.grad, before)
+    with pytest.raises(RuntimeError, match="already been called"):
+        scaler.unscale_and_clip_(opt, 1.0)
+    scaler.step(opt)
+    assert torch.equal(param.detach(), torch.zeros(4))
+    with pytest.raises(RuntimeError, match="after step"):
+        scaler.unscale_and_clip_(opt, 1.0)
+    scaler.update()
+    assert scaler.get_scale() == 4.0
+
+
+def test_the_report_names_the_overflowing_gradient_and_pickling_drops_the_callback() -> None:
+    import pickle
+
+    first, second = torch.nn.Parameter(torch.zeros(3)), torch.nn.Parameter(torch.zeros(2))
+    opt = torch.optim.SGD([{"params": [first]}, {"params": [second]}], lr=1.0)
+    reports: list[StepReport] = []
+    scaler = GradScaler(
+        "cpu",
+        init_scale=4.0,
+        on_step=lambda r: reports.append(r),  # noqa: PLW0108 - a lambda cannot be pickled
+        report_leaves=True,
+    )
+    for clip in (False, True):
+        scaler.scale(torch.ones(()))
+        first.grad = torch.ones(3)
+        second.grad = torch.tensor([math.nan, math.inf])
+        if clip:
+            scaler.unscale_and_clip_(opt, 1.0)
+        scaler.step(opt)
+        scaler.update()
+    for report in reports:
+        assert report.kind is StepKind.BACKOFF
+        assert [str(leaf) for leaf in report.leaves] == ["grads[1][0]: 1 inf, 1 nan"]
+    copy = pickle.loads(pickle.dumps(scaler))  # a lambda callback is left behind
+    assert copy.get_scale() == 1.0
+    with pytest.raises(InvalidArgumentError, match="report_leaves="):
+        GradScaler("cpu", report_leaves=1)

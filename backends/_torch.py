@@ -324,6 +324,12 @@ def _numpy_view(t: torch.Tensor) -> np.ndarray:
     return t.numpy()
 
 
+def _views(values: Sequence[torch.Tensor]) -> list[np.ndarray]:
+    """NumPy views of the tensors, each tensor once (as unscale() treats it once)."""
+    unique = {id(v): v for v in values}
+    return [_numpy_view(v) for v in unique.values()]
+
+
 def _on_host(values: Sequence[torch.Tensor], scale: Any) -> float | None:
     """The host scale when every gradient is a dense CPU tensor: then the NumPy kernels
     serve, on views of the tensors' memory (one pass for the norm, and no write on a
@@ -407,7 +413,7 @@ class TorchBackend:
         if host is not None and not any(t.is_sparse for _, t in _leaves(grads)):
             from ._numpy import BACKEND as NUMPY  # noqa: PLC0415 - loaded with its kernels
 
-            _, found, norm = NUMPY.unscale_norm([_numpy_view(v) for v in values], host)
+            _, found, norm = NUMPY.unscale_norm(_views(values), host)
             return grads, torch.tensor(bool(found)), torch.tensor(float(norm))
         grads, flag = self.unscale(grads, scale)
         values = [_values(t) for _, t in _leaves(grads)]
@@ -445,7 +451,7 @@ class TorchBackend:
                 decided.append(flag)
                 return np.bool_(self.to_bool(flag))
 
-            views = [_numpy_view(v) for v in values]
+            views = _views(values)
             _, _, host_norm = NUMPY.unscale_clip(views, host, limit, decide)
             return grads, decided[0], torch.tensor(float(host_norm))
         grads, flag, norm = self.unscale_norm(grads, scale)

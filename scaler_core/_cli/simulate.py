@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib
 import json
 import re
@@ -14,7 +15,7 @@ from typing import Any, TextIO
 from scaler_core import simulate as library
 from scaler_core._config import ScalerConfig
 from scaler_core._errors import InvalidArgumentError
-from scaler_core._presets import PRESETS
+from scaler_core._presets import PRESETS, preset
 from scaler_core.simulate import (
     DTYPE_MAX,
     EXAMPLE_TRACES,
@@ -90,6 +91,25 @@ def _policy_arg(text: str) -> tuple[str, PolicySpec]:
     )
 
 
+def _with_spikes(spec: PolicySpec, args: argparse.Namespace) -> PolicySpec:
+    """``spec`` with the command line's spike skipping in its config."""
+    if args.spike_threshold is None:
+        raise InvalidArgumentError(
+            f"--spike-window {args.spike_window} needs --spike-threshold K too (spike "
+            f"skipping is off without a threshold)"
+        )
+    knobs: dict[str, Any] = {"spike_threshold": args.spike_threshold}
+    if args.spike_window is not None:
+        knobs["spike_window"] = args.spike_window
+    if isinstance(spec, str):
+        return preset(spec, **knobs)
+    if isinstance(spec, ScalerConfig):
+        return dataclasses.replace(spec, **knobs)
+    if isinstance(spec, tuple) and spec and isinstance(spec[0], ScalerConfig):
+        return (dataclasses.replace(spec[0], **knobs), *spec[1:])
+    return spec  # not a policy spec: simulate() refuses it, naming it
+
+
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     """Add the ``simulate`` command to a ``scaler-core`` argument parser."""
     parser: argparse.ArgumentParser = subparsers.add_parser(
@@ -113,6 +133,19 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         choices=sorted(DTYPE_MAX),
         help="gradient dtype for max_abs_grad traces (default float16)",
     )
+    parser.add_argument(
+        "--spike-threshold",
+        type=float,
+        metavar="K",
+        help="turn spike skipping on in every policy: skip a step whose grad_norm is more "
+        "than K standard deviations above its window (needs a trace with grad_norm)",
+    )
+    parser.add_argument(
+        "--spike-window",
+        type=int,
+        metavar="W",
+        help="the window of steps for --spike-threshold (default 128)",
+    )
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
     parser.add_argument(
         "--plot",
@@ -129,9 +162,11 @@ def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
     if args.plot is not None:  # everything that can be refused is, before any work
         check_output("--plot", args.plot, PLOT_FORMATS)
         pyplot("--plot")
-    trace = load_trace(args.trace)
     names = args.policy or sorted(PRESETS)
     specs = dict(_policy_arg(text) for text in names)
+    if args.spike_threshold is not None or args.spike_window is not None:
+        specs = {name: _with_spikes(spec, args) for name, spec in specs.items()}
+    trace = load_trace(args.trace)
     results = simulate(trace, specs, dtype=args.dtype)
     if args.json:
         recorded = trace.recorded_with

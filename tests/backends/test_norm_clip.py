@@ -261,3 +261,13 @@ def test_torch_cpu_runs_the_numpy_kernels_and_writes_nothing_on_a_skip() -> None
     _, found, _ = sc.unscale_and_clip(tensors, 32.0, 0.5)
     assert bool(found)
     assert all(torch.equal(a, b) for a, b in zip(tensors, before, strict=True))
+
+
+def test_a_tensor_given_twice_counts_once_as_unscale_treats_it_once() -> None:
+    torch = pytest.importorskip("torch")
+    t = torch.tensor([6.0, 8.0]) * 4
+    _, _, norm = sc.unscale_and_norm([t, t], 4.0)
+    assert float(norm) == 10.0
+    assert t.tolist() == [6.0, 8.0]
+    a = np.array([6.0, 8.0], np.float32) * 4
+    assert float(sc.unscale_and_clip([a, a], 4.0, 100.0)[2]) == 10.0

@@ -367,3 +367,66 @@ def test_spike_skipping_on_a_trace_without_grad_norm_is_refused(
     err = capsys.readouterr().err
     assert err.count("\n") == 1
     assert "has no grad_norm" in err
+
+
+def test_the_command_line_turns_spike_skipping_on_for_every_policy(tmp_path: Path) -> None:
+    trace = _spike_csv(tmp_path / "t.csv")
+    argv = ["simulate", str(trace), "--policy", "torch", "--policy", "megatron", "--json"]
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "scaler_core",
+            *argv,
+            "--spike-threshold",
+            "4",
+            "--spike-window",
+            "8",
+        ],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert out.returncode == 0, out.stderr
+    policies = json.loads(out.stdout)["policies"]
+    assert [p["spike_skips"] for p in policies] == [2, 2]
+    plain = subprocess.run(
+        [sys.executable, "-m", "scaler_core", *argv], capture_output=True, text=True, check=False
+    )
+    assert [p["spike_skips"] for p in json.loads(plain.stdout)["policies"]] == [0, 0]
+
+
+@pytest.mark.parametrize(
+    ("extra", "says"),
+    [
+        (["--spike-threshold", "-1"], "spike_threshold=-1.0"),
+        (["--spike-window", "8"], "--spike-window 8 needs --spike-threshold"),
+        (["--spike-threshold", "4", "--spike-window", "1"], "spike_window=1"),
+    ],
+)
+def test_bad_spike_options_are_one_line_and_exit_2(
+    tmp_path: Path, extra: list[str], says: str
+) -> None:
+    trace = _spike_csv(tmp_path / "t.csv")
+    out = subprocess.run(
+        [sys.executable, "-m", "scaler_core", "simulate", str(trace), *extra],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert out.returncode == 2
+    assert len(out.stderr.strip().splitlines()) == 1
+    assert says in out.stderr
+
+
+def test_spike_options_on_a_trace_without_grad_norm_say_what_is_missing(tmp_path: Path) -> None:
+    trace = _spike_csv(tmp_path / "t.csv", norms=False)
+    out = subprocess.run(
+        [sys.executable, "-m", "scaler_core", "simulate", str(trace), "--spike-threshold", "4"],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert out.returncode == 2
+    assert "grad_norm" in out.stderr
+    assert len(out.stderr.strip().splitlines()) == 1

@@ -720,12 +720,12 @@ def _numba_norm(k: ModuleType, plan: _Plan, inv: float, write: bool) -> tuple[bo
             det = run(table.addrs, table.sizes, dtype.type(inv), table.like, write, parts)
         found = found or math.isnan(det)
         sums.extend(parts.tolist())
-    for flat in plan.halves:
-        hit, part = _half_norm(flat, inv, write, k)
-        found, sums = found or hit, sums + part
-    for g in plan.strided:
-        hit, part = _strided_norm(g, inv, write)
-        found, sums = found or hit, sums + part
+    for hit, part in itertools.chain(
+        (_half_norm(flat, inv, write, k) for flat in plan.halves),
+        (_strided_norm(g, inv, write) for g in plan.strided),
+    ):
+        found = found or hit
+        sums.extend(part)
     return found, sums
 
 
@@ -806,11 +806,15 @@ def _clip(
                 run(table.addrs, table.sizes, dtype.type(inv), dtype.type(coef), table.like)
         _clip_rest(prepared.halves, prepared.strided, inv, coef)
         return
-    leaves = _leaves(prepared)
-    halves = [_flat(g) for g in leaves if g.size and _is_block(g) and g.dtype in _EXPONENT]
-    strided = [g for g in leaves if g.size and not _is_block(g)]
-    for g in leaves:
-        if not g.size or not _is_block(g) or g.dtype in _EXPONENT:
+    halves, strided = [], []
+    for g in _leaves(prepared):
+        if not g.size:
+            continue
+        if not _is_block(g):
+            strided.append(g)
+            continue
+        if g.dtype in _EXPONENT:
+            halves.append(_flat(g))
             continue
         flat, factor, scale = _flat(g), g.dtype.type(inv), g.dtype.type(coef)
         if kernels is not None:

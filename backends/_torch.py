@@ -330,13 +330,16 @@ def _views(values: Sequence[torch.Tensor]) -> list[np.ndarray]:
     return [_numpy_view(v) for v in unique.values()]
 
 
-def _on_host(values: Sequence[torch.Tensor], scale: Any) -> float | None:
-    """The host scale when every gradient is a dense CPU tensor: then the NumPy kernels
-    serve, on views of the tensors' memory (one pass for the norm, and no write on a
-    skipped step). ``None`` otherwise."""
-    if not all(v.device.type == "cpu" and v.layout is torch.strided for v in values):
+def _host_route(
+    leaves: Sequence[tuple[str, torch.Tensor]], scale: Any
+) -> tuple[list[np.ndarray], float] | None:
+    """NumPy views of the gradients and the scale as a float, when every gradient is a
+    dense CPU tensor and the scale is on the host: then the NumPy kernels serve (one
+    pass for the norm, and no write on a skipped step). ``None`` otherwise."""
+    if not all(t.device.type == "cpu" and t.layout is torch.strided for _, t in leaves):
         return None
-    return _host_scale(scale)
+    host = _host_scale(scale)
+    return None if host is None else (_views([t for _, t in leaves]), host)
 
 
 def _device_norm(values: Sequence[torch.Tensor], default: torch.device) -> torch.Tensor:
@@ -408,12 +411,11 @@ class TorchBackend:
         read: PyTorch has no fused kernel for both).
         """
         inverse_scale(scale)  # validates the scale, as unscale() does
-        values = [_values(t) for _, t in _leaves(grads)]
-        host = _on_host(values, scale)
-        if host is not None and not any(t.is_sparse for _, t in _leaves(grads)):
+        route = _host_route(_leaves(grads), scale)
+        if route is not None:
             from ._numpy import BACKEND as NUMPY  # noqa: PLC0415 - loaded with its kernels
 
-            _, found, norm = NUMPY.unscale_norm(_views(values), host)
+            _, found, norm = NUMPY.unscale_norm(*route)
             return grads, torch.tensor(bool(found)), torch.tensor(float(norm))
         grads, flag = self.unscale(grads, scale)
         values = [_values(t) for _, t in _leaves(grads)]
@@ -436,10 +438,8 @@ class TorchBackend:
         """
         limit = max_norm_of(max_norm)
         inverse_scale(scale)
-        leaves = _leaves(grads)
-        values = [_values(t) for _, t in leaves]
-        host = _on_host(values, scale)
-        if host is not None and not any(t.is_sparse for _, t in leaves):
+        route = _host_route(_leaves(grads), scale)
+        if route is not None:
             from ._numpy import BACKEND as NUMPY  # noqa: PLC0415 - loaded with its kernels
 
             decided: list[torch.Tensor] = []
@@ -451,8 +451,7 @@ class TorchBackend:
                 decided.append(flag)
                 return np.bool_(self.to_bool(flag))
 
-            views = _views(values)
-            _, _, host_norm = NUMPY.unscale_clip(views, host, limit, decide)
+            _, _, host_norm = NUMPY.unscale_clip(*route, limit, decide)
             return grads, decided[0], torch.tensor(float(host_norm))
         grads, flag, norm = self.unscale_norm(grads, scale)
         if reduce is not None:

@@ -368,19 +368,19 @@ class GradScaler(torch.amp.GradScaler):
             )
         if optimizer_state["stage"] is OptState.STEPPED:
             raise RuntimeError("unscale_() is being called after step().")  # PyTorch's error
-        buckets = self._buckets(optimizer, allow_fp16=False)
-        if any(p.grad is not None and p.grad.is_sparse for p in params):
-            self.unscale_(optimizer)  # sparse values: PyTorch's own route
-            self._norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
-            return self._norm
-        grads = [g for by_dtype in buckets.values() for ts in by_dtype.values() for g in ts]
+        buckets = self._buckets(optimizer, allow_fp16=False)  # PyTorch's checks, nothing changed
+        owners = [p for p in params if p.grad is not None]
 
         def reduce(flag: torch.Tensor) -> torch.Tensor:
             found = {flag.device: flag.float()}
             self._reduce(found)
             return found[flag.device] > 0
 
-        _, found, norm = _TORCH.unscale_clip(grads, _scale, max_norm, reduce)
+        grads = [p.grad for p in owners]
+        grads, found, norm = _TORCH.unscale_clip(grads, _scale, max_norm, reduce)
+        for param, grad in zip(owners, grads, strict=True):
+            if grad is not param.grad:  # a sparse gradient, coalesced
+                param.grad = grad
         optimizer_state["found_inf_per_device"] = {
             dev: found.to(dev, dtype=torch.float32, non_blocking=True) for dev in buckets
         }

@@ -248,7 +248,14 @@ class GradScaler(torch.amp.GradScaler):
     def _look_for_leaves(
         self, optimizer: torch.optim.Optimizer, found: dict[torch.device, torch.Tensor]
     ) -> None:
-        """With ``report_leaves``, name the optimizer's non-finite gradients (if any)."""
+        """With ``report_leaves``, name the optimizer's non-finite gradients (if any).
+
+        Called wherever a step's flags are made: ``_unscale_grads_`` (``unscale_``,
+        and ``step`` for other optimizers), ``_check_inf_per_device`` (``step`` with a
+        fused optimizer, which unscales in its own kernel) and ``unscale_and_clip_``.
+        A fused optimizer's overflow that only its own unscale would make (a scale
+        below 1) is flagged but names no leaf: the gradients themselves are finite.
+        """
         if not self._report_leaves or not any(bool(f.item()) for f in found.values()):
             return
         grads = [[p.grad for p in group["params"]] for group in optimizer.param_groups]
@@ -264,6 +271,7 @@ class GradScaler(torch.amp.GradScaler):
         inv = scale.double().reciprocal() if self._may_fall_below_one() else None
         check_for_fused(buckets, inv, found)
         self._reduce(found)
+        self._look_for_leaves(optimizer, found)
         self._per_optimizer_states[id(optimizer)]["found_inf_per_device"] = found
         return cast(dict[str, Any], found)  # PyTorch's annotation; the keys are devices
 

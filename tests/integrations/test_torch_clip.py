@@ -151,3 +151,21 @@ def test_a_sparse_gradient_is_clipped_as_its_coalesced_sum() -> None:
     ours.step(opt)
     assert ours.stepped(opt)
     ours.update()
+
+
+def test_the_report_names_the_leaf_with_a_fused_optimizer() -> None:
+    """A fused optimizer unscales in its own kernel: step() checks it through
+    _check_inf_per_device, not _unscale_grads_; the skipped step still names the leaf."""
+    first, second = torch.nn.Parameter(torch.zeros(3)), torch.nn.Parameter(torch.zeros(2))
+    opt = torch.optim.Adam([{"params": [first]}, {"params": [second]}], lr=0.1, fused=True)
+    reports: list[StepReport] = []
+    scaler = GradScaler("cpu", init_scale=4.0, on_step=reports.append, report_leaves=True)
+    for bad in (True, False):
+        scaler.scale(torch.ones(()))
+        first.grad = torch.ones(3)
+        second.grad = torch.tensor([math.nan, math.inf]) if bad else torch.ones(2)
+        scaler.step(opt)
+        scaler.update()
+    assert [r.kind for r in reports] == [StepKind.BACKOFF, StepKind.COUNT]
+    assert [str(leaf) for leaf in reports[0].leaves] == ["grads[1][0]: 1 inf, 1 nan"]
+    assert reports[1].leaves == ()

@@ -111,4 +111,10 @@ def test_fsdp2_gradients_take_every_extra_as_pytorchs_pair(tmp_path: Path) -> No
         for ours, theirs in run["params"]:
             assert torch.equal(ours, theirs)
         assert run["scales"][0] == run["scales"][1] == 2.0**10
+        assert run["found"]
+        assert run["report"] == ["grads['w']: 0 inf, 1 nan"]
+        message, untouched = run["refused"]
+        assert message.startswith("grads['w'] is a DTensor placed (Partial(sum),)")
+        assert ".redistribute(" in message
+        assert untouched == [4.0, 4.0]
     assert runs[0]["ours"] == runs[1]["ours"]  # the global norm, on every rank

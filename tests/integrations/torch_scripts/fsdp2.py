@@ -10,8 +10,9 @@ in rank 1's shard of one gradient only. PyTorch's clip is given scaler-core's no
 (``clip_grads_with_norm_``), so the two runs must stay bit-identical; PyTorch's own
 norm (``get_total_norm``) is recorded beside it. The rank writes, per step, both
 norms, both found flags, the exact norm (float64 ``math.fsum`` of the full
-gradients), the skip decisions and the leaf reports, and at the end both models'
-full parameters, to ``OUT_FILE`` (``torch.save``).
+gradients), the skip decisions and the leaf reports, at the end both models'
+full parameters, and what the functional API says of a sharded and of a partial
+DTensor, to ``OUT_FILE`` (``torch.save``).
 """
 
 from __future__ import annotations
@@ -25,8 +26,9 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Partial, Shard, distribute_tensor
 
+import scaler_core as sc
 from scaler_core import StepReport
 from scaler_core.torch import GradScaler
 
@@ -107,6 +109,18 @@ def main() -> None:
         for a, b in zip(ours_net.parameters(), theirs_net.parameters(), strict=True)
     ]
     out["scales"] = (ours.get_scale(), theirs.get_scale())
+    # The functional API on a DTensor: rank 1's NaN is seen on both ranks; a DTensor
+    # placed as a partial sum is refused by name, before anything is touched.
+    shard = distribute_tensor(torch.arange(8.0), mesh, [Shard(0)])
+    if int(rank) == 1:
+        shard.to_local()[0] = math.nan
+    out["found"] = bool(sc.find_non_finite([shard]))
+    out["report"] = [str(r) for r in sc.non_finite_leaves({"w": shard})]
+    partial = DTensor.from_local(torch.full((2,), 4.0), mesh, [Partial()])
+    try:
+        sc.unscale({"w": partial}, 2.0)
+    except sc.GradientValueError as exc:
+        out["refused"] = (str(exc), partial.to_local().tolist())
     torch.save(out, out_file)
     dist.barrier()  # no rank tears gloo down while another still talks to it
     dist.destroy_process_group()

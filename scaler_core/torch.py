@@ -355,10 +355,19 @@ class GradScaler(torch.amp.GradScaler):
         and records the optimizer's found flag as ``unscale_`` does (so ``step`` skips
         as usual). On CPU it reads the gradients once and, unless the step will be
         skipped, writes them once (clipped with ``clip_grad_norm_``'s coefficient);
-        on a skipped step it writes nothing. On an accelerator it is ``unscale_``,
-        the norm and one multiply, with no host synchronisation. The norm is summed in
-        float64 (``clip_grad_norm_`` sums in the gradients' dtype), so it can differ
-        from PyTorch's in the last float32 bits.
+        on a skipped step it writes nothing. On an accelerator (and for sparse or
+        DTensor gradients) it is ``unscale_``, the norm and one multiply, with no host
+        synchronisation. A sparse gradient is clipped as its coalesced sum, and
+        ``param.grad`` then holds the coalesced tensor; under FSDP2 the norm is the
+        global one over all shards, the same on every rank.
+
+        The norm's squares are summed in float64 and rounded once (within one float32
+        ulp of the exact norm); ``clip_grad_norm_`` takes each tensor's norm in the
+        gradients' own dtype. For float32 gradients the two were measured within
+        about one float32 ulp of each other (on the CPU); for bfloat16 or float16
+        gradients PyTorch's norm is itself a half-precision number (off by up to
+        2.5e-3, relative), and its clip coefficient with it. For the same norm the
+        clipped gradients are PyTorch's bit for bit.
 
         Raises:
             RuntimeError: As ``unscale_``: called twice for the optimizer in a step, or

@@ -154,23 +154,25 @@ def cupy_non_finite_leaves(grads: Any) -> tuple[LeafReport, ...]:
 
 def torch_non_finite_leaves(grads: Any) -> tuple[LeafReport, ...]:
     """The torch backend's ``non_finite_leaves``: counted where each tensor lives, read
-    back once per device. A sparse tensor's stored values are counted, as
-    ``find_non_finite`` checks them.
+    back once per device. Leaves are read as every torch operation reads them: a sparse
+    tensor with duplicate indices as summed (in a temporary), a DTensor over all its
+    shards (the counts all-reduced over the ranks holding them, so every rank names
+    the leaf).
 
     Raises:
         GradientTypeError: As ``unscale``: a leaf is not a dense or sparse COO
             tensor of an accepted dtype.
+        GradientValueError: As ``unscale``: a DTensor placed as a partial sum.
     """
     import torch  # noqa: PLC0415 - only the torch backend calls this
 
-    from ._torch import _leaves, _values  # noqa: PLC0415
+    from ._torch import _leaves, elements, sum_over_shards  # noqa: PLC0415
 
-    pairs = _unique(_leaves(grads))
-    by_device: dict[torch.device, list[int]] = {}
+    leaves = _leaves(grads)  # each tensor once, at its first path
     rows: list[torch.Tensor] = []
     with torch.no_grad():
-        for i, (_, leaf) in enumerate(pairs):
-            values = _values(leaf)
+        for leaf in leaves:
+            values = elements(leaf)
             if values.is_contiguous() and values.numel() > _TORCH_PIECE:
                 flat = values.reshape(-1)
                 pieces = [flat[i : i + _TORCH_PIECE] for i in range(0, flat.numel(), _TORCH_PIECE)]
@@ -182,13 +184,16 @@ def torch_non_finite_leaves(grads: Any) -> tuple[LeafReport, ...]:
                 nan = nan + torch.isnan(piece).sum()
                 inf = inf + torch.isinf(piece).sum()
             rows.append(torch.stack([nan, inf]))
-            by_device.setdefault(values.device, []).append(i)
-        counts: list[tuple[int, int]] = [(0, 0)] * len(pairs)
+        rows = sum_over_shards(leaves, rows)
+        by_device: dict[torch.device, list[int]] = {}
+        for i, row in enumerate(rows):
+            by_device.setdefault(row.device, []).append(i)
+        counts: list[tuple[int, int]] = [(0, 0)] * len(leaves)
         for indices in by_device.values():
             host = torch.stack([rows[i] for i in indices]).tolist()  # one read per device
             for i, (nan_count, inf_count) in zip(indices, host, strict=True):
                 counts[i] = (nan_count, inf_count)
-    return _reports((p for p, _ in pairs), counts)
+    return _reports((leaf.path for leaf in leaves), counts)
 
 
 _JAX_COUNTS: Any = None

@@ -18,18 +18,32 @@ scale or a CPU tensor, and on the device (masked by ``inv > 1``) for a scale on
 an accelerator, where reading it would synchronise.
 
 Flags are 0-d ``torch.bool`` tensors on the gradients' device; nothing but
-:meth:`TorchBackend.to_bool` synchronises. A sparse float16 gradient that is not
-coalesced is coalesced first, as PyTorch's GradScaler does (duplicate indices
-could overflow only once summed); the returned tree then holds the coalesced
-tensor in its place. Every other leaf is unscaled in place.
+:meth:`TorchBackend.to_bool` synchronises.
+
+Every operation walks the leaves once, through :func:`_leaves`, and reads each as
+the gradient it stands for:
+
+* A sparse COO tensor with duplicate indices stands for their sum. Detection and
+  the leaf report read a coalesced temporary. The unscale coalesces a float16 one
+  first, as PyTorch's GradScaler does (duplicates could overflow only once
+  summed), and any other one after (its values are then exactly PyTorch's
+  ``unscale_`` followed by ``coalesce()``, and checked as summed); the norm and
+  the clip are those of the coalesced gradient, and the returned tree holds the
+  coalesced tensor in the original's place. Every other leaf is unscaled in place.
+* A DTensor (FSDP2's gradients) is read through its local shard, in place. Over
+  the mesh dimensions it is sharded along, its squares and counts are summed and
+  the flag OR-ed (``torch.distributed.all_reduce``, one per dimension for all
+  leaves sharded alike), so the norm is the global one and every rank gets the same
+  flag and report. A DTensor placed as a partial sum is refused.
 """
 
 from __future__ import annotations
 
 import math
+import sys
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any
+from typing import Any, NamedTuple, cast
 
 import ml_dtypes
 import numpy as np
@@ -91,17 +105,125 @@ def _values(t: torch.Tensor) -> torch.Tensor:
     return t._values() if t.is_sparse else t
 
 
-def _leaves(grads: Any) -> list[tuple[str, torch.Tensor]]:
-    out: list[tuple[str, torch.Tensor]] = []
+class _Leaf(NamedTuple):
+    """One gradient as every operation sees it (the one walk over the leaves).
+
+    ``local`` holds the elements this process reads and writes: the leaf itself, or
+    a DTensor's local shard. ``spread`` is, for a DTensor sharded over some
+    dimensions of its device mesh, ``(mesh, dims)``: a sum over the leaf (its
+    norm, its NaN and inf counts) is all-reduced over those dimensions, and a flag
+    too (PyTorch's DTensor unscale reduces its flag the same way). Replicated
+    dimensions are not summed over: every rank there holds the same values.
+    """
+
+    path: str
+    tensor: torch.Tensor
+    local: torch.Tensor
+    spread: tuple[Any, tuple[int, ...]] | None
+
+
+def _dtensor_type() -> type | None:
+    """DTensor's class if ``torch.distributed.tensor`` was imported (else no leaf is one)."""
+    module = sys.modules.get("torch.distributed.tensor")
+    return getattr(module, "DTensor", None)
+
+
+def _shard(path: str, leaf: Any) -> tuple[torch.Tensor, tuple[Any, tuple[int, ...]] | None]:
+    """A DTensor's local shard and the mesh dimensions it is sharded over."""
+    from torch.distributed.tensor import Replicate, Shard  # noqa: PLC0415 - a DTensor exists
+
+    dims = []
+    for dim, placement in enumerate(leaf.placements):
+        if isinstance(placement, Shard):
+            dims.append(dim)
+        elif not isinstance(placement, Replicate):
+            raise GradientValueError(
+                f"{path} is a DTensor placed {tuple(leaf.placements)} on its mesh, but the "
+                f"torch backend takes sharded or replicated DTensors ({placement} holds "
+                f"summands, not the gradient); redistribute it first, for example with "
+                f".redistribute(placements=[Replicate()] * mesh.ndim)"
+            )
+    with torch.no_grad():
+        local = leaf.to_local()  # the local shard itself, not a copy
+    return local, ((leaf.device_mesh, tuple(dims)) if dims else None)
+
+
+def _leaves(grads: Any) -> list[_Leaf]:
+    """Every leaf validated (nothing is touched before all are), each tensor once, at
+    its first path (the same tensor twice is unscaled, counted and reported once)."""
+    out: list[_Leaf] = []
+    seen: set[int] = set()
+    dtensor = _dtensor_type()
     for path, leaf in leaves_with_paths(grads):
         LEAVES.check(path, leaf)
-        if leaf.layout not in (torch.strided, torch.sparse_coo):
+        local, spread = leaf, None
+        if dtensor is not None and isinstance(leaf, dtensor):
+            local, spread = _shard(path, leaf)
+        if local.layout not in (torch.strided, torch.sparse_coo):
             raise GradientTypeError(
-                f"{path} has layout {leaf.layout}, but the torch backend takes dense (strided) "
+                f"{path} has layout {local.layout}, but the torch backend takes dense (strided) "
                 f"and sparse COO tensors; convert it with .to_dense()"
             )
-        out.append((path, leaf))
+        if id(leaf) not in seen:
+            seen.add(id(leaf))
+            out.append(_Leaf(path, leaf, local, spread))
     return out
+
+
+def _coalesced(t: torch.Tensor) -> torch.Tensor:
+    """The gradient a tensor stands for: a sparse one with duplicate indices summed (a
+    new tensor; the one given is left as it is), anything else itself."""
+    return t.coalesce() if t.is_sparse and not t.is_coalesced() else t
+
+
+def elements(leaf: _Leaf) -> torch.Tensor:
+    """What a read-only operation (detection, the leaf report) reads of a leaf: the
+    values of the gradient it stands for, here."""
+    return _values(_coalesced(leaf.local))
+
+
+def _spreads(leaves: Iterable[_Leaf]) -> dict[tuple[int, tuple[int, ...]], list[int]]:
+    """The leaves' indices by how they are sharded (mesh and dimensions)."""
+    out: dict[tuple[int, tuple[int, ...]], list[int]] = defaultdict(list)
+    for i, leaf in enumerate(leaves):
+        if leaf.spread is not None:
+            out[id(leaf.spread[0]), leaf.spread[1]].append(i)
+    return out
+
+
+def _all_reduce(t: torch.Tensor, spread: tuple[Any, tuple[int, ...]], op: str) -> None:
+    import torch.distributed as dist  # noqa: PLC0415 - a DTensor exists, so it is loaded
+
+    mesh, dims = spread
+    for dim in dims:
+        dist.all_reduce(t, op=getattr(dist.ReduceOp, op), group=mesh.get_group(dim))
+
+
+def sum_over_shards(leaves: Sequence[_Leaf], per_leaf: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Each leaf's ``per_leaf`` sum (a norm's squares, counts) summed over the ranks that
+    hold its other shards; a leaf that is not sharded keeps its own. One all-reduce per
+    mesh dimension for all leaves sharded alike."""
+    out = list(per_leaf)
+    for indices in _spreads(leaves).values():
+        stacked = torch.stack([per_leaf[i] for i in indices])
+        _all_reduce(stacked, cast(Any, leaves[indices[0]].spread), "SUM")
+        for j, i in enumerate(indices):
+            out[i] = stacked[j]
+    return out
+
+
+def _any_over_shards(leaves: Sequence[_Leaf], flag: torch.Tensor) -> torch.Tensor:
+    """The flag OR-ed over the ranks that hold other shards of the leaves (so every
+    rank gets the same one), as PyTorch's DTensor unscale reduces its flag."""
+    spreads = _spreads(leaves)
+    if not spreads:
+        return flag
+    for indices in spreads.values():
+        leaf = leaves[indices[0]]
+        wide = flag.to(leaf.local.device, torch.float32)
+        _all_reduce(wide, cast(Any, leaf.spread), "MAX")
+        flag = wide.to(flag.device) > 0
+    return flag
 
 
 # ------------------------------------------------------------------------ scale
@@ -342,18 +464,23 @@ def _host_route(
     return None if host is None else (_views([t for _, t in leaves]), host)
 
 
-def _device_norm(values: Sequence[torch.Tensor], default: torch.device) -> torch.Tensor:
-    """The global L2 norm of ``values``, accumulated in float64, as a float32 0-d tensor."""
+def _norm(
+    leaves: Sequence[_Leaf], values: Sequence[torch.Tensor], default: torch.device
+) -> torch.Tensor:
+    """The global L2 norm of the leaves' ``values`` (a sharded leaf's over all its shards),
+    squares summed in float64, as a float32 0-d tensor on ``default``."""
     if not values:
         return torch.zeros((), dtype=torch.float32, device=default)
-    per_device: dict[torch.device, list[torch.Tensor]] = defaultdict(list)
-    for v in values:
-        per_device[v.device].append(v)
-    squares = [
-        torch.stack(torch._foreach_norm(group, 2, dtype=torch.float64)).square().sum().to(default)
-        for group in per_device.values()
-    ]
-    return torch.stack(squares).sum().sqrt().float()
+    per_device: dict[torch.device, list[int]] = defaultdict(list)
+    for i, v in enumerate(values):
+        per_device[v.device].append(i)
+    squares: list[torch.Tensor] = [torch.zeros(())] * len(values)
+    for indices in per_device.values():
+        norms = torch._foreach_norm([values[i] for i in indices], 2, dtype=torch.float64)
+        for i, n in zip(indices, norms, strict=True):
+            squares[i] = n.square()
+    squares = sum_over_shards(leaves, squares)
+    return torch.stack([q.to(default) for q in squares]).sum().sqrt().float()
 
 
 def clip_factor(norm: torch.Tensor, max_norm: float, skip: torch.Tensor) -> torch.Tensor:
@@ -375,6 +502,59 @@ def _flag(found: Any, what: str = "found") -> torch.Tensor:
     return torch.tensor(host)
 
 
+def _unscale(
+    leaves: Sequence[_Leaf], scale: Any, inv: torch.Tensor | float, check: bool | None
+) -> tuple[dict[int, torch.Tensor], list[torch.Tensor], torch.Tensor]:
+    """Unscale the leaves in place: ``(replaced, values, flag)``.
+
+    A sparse gradient is the sum it stands for. A float16 one with duplicate indices
+    is coalesced before the unscale, as PyTorch's GradScaler does (its duplicates
+    could overflow only once summed); any other after it, so its values are exactly
+    PyTorch's ``unscale_`` followed by ``coalesce()``, and checked as summed.
+    ``replaced`` maps the id of each such leaf to its coalesced tensor; ``values``
+    are what the norm and the clip read, leaf by leaf; the flag is the same on every
+    rank holding a shard of a DTensor leaf.
+    """
+    replaced: dict[int, torch.Tensor] = {}
+    targets = []
+    for leaf in leaves:
+        target = leaf.local
+        if target.is_sparse and target.dtype == torch.float16:
+            target = _coalesced(target)
+        targets.append(target)
+    buckets = _buckets(_values(t) for t in targets)
+    found = {dev: torch.zeros((), dtype=torch.float32, device=dev) for dev in buckets}
+    unscale_buckets(buckets, inv, found, check)
+    summed: dict[torch.device, list[torch.Tensor]] = defaultdict(list)
+    for i, unscaled in enumerate(targets):
+        if unscaled.is_sparse and not unscaled.is_coalesced():
+            targets[i] = unscaled.coalesce()
+            summed[unscaled.device].append(targets[i]._values())
+    with torch.no_grad():
+        for device, values in summed.items():
+            torch.maximum(found[device], _non_finite(values, device).float(), out=found[device])
+    for leaf, target in zip(leaves, targets, strict=True):
+        if target is not leaf.local:
+            replaced[id(leaf.tensor)] = target
+    flag = _any_over_shards(leaves, _combine(found, _default_device(scale)))
+    return replaced, [_values(t) for t in targets], flag
+
+
+def _put(grads: Any, replaced: dict[int, torch.Tensor]) -> Any:
+    """``grads`` with each coalesced sparse gradient in its original's place."""
+    if not replaced:
+        return grads
+    return map_pairs(lambda _, a, b: replaced.get(id(b), b), grads, grads, "grads")
+
+
+def _route(leaves: Sequence[_Leaf], scale: Any) -> tuple[list[np.ndarray], float] | None:
+    """:func:`_host_route` for the leaves; never for a sharded one (its norm is summed
+    over ranks between the read and the write)."""
+    if any(leaf.spread is not None for leaf in leaves):
+        return None
+    return _host_route([(leaf.path, leaf.local) for leaf in leaves], scale)
+
+
 class TorchBackend:
     """Unscale and detection for torch tensors; the flag is a 0-d ``torch.bool`` tensor."""
 
@@ -384,42 +564,31 @@ class TorchBackend:
         """See :meth:`scaler_core.Backend.unscale`: in place, one kernel per (device, dtype).
 
         ``scale`` may be a host float or a 0-d float tensor (a CPU one is validated;
-        one on an accelerator is not read back, and a bad one fails closed).
+        one on an accelerator is not read back, and a bad one fails closed). A sparse
+        gradient with duplicate indices comes back coalesced (see the module's notes).
         """
         inv, check = inverse_scale(scale)
-        leaves = _leaves(grads)
-        replaced: dict[int, torch.Tensor] = {}
-        values = []
-        for _, leaf in leaves:
-            target = leaf
-            if leaf.is_sparse and leaf.dtype == torch.float16 and not leaf.is_coalesced():
-                replaced[id(leaf)] = target = leaf.coalesce()
-            values.append(_values(target))
-        buckets = _buckets(values)
-        found = {dev: torch.zeros((), dtype=torch.float32, device=dev) for dev in buckets}
-        unscale_buckets(buckets, inv, found, check)
-        flag = _combine(found, _default_device(scale))
-        if replaced:
-            grads = map_pairs(lambda _, a, b: replaced.get(id(b), b), grads, grads, "grads")
-        return grads, flag
+        replaced, _, flag = _unscale(_leaves(grads), scale, inv, check)
+        return _put(grads, replaced), flag
 
     def unscale_norm(self, grads: Any, scale: Any) -> tuple[Any, torch.Tensor, torch.Tensor]:
         """See :meth:`scaler_core.Backend.unscale_norm`.
 
-        On CPU the NumPy kernels do it in one pass, on views of the tensors' memory.
-        Elsewhere PyTorch's unscale kernel, then ``_foreach_norm`` in float64 (a second
-        read: PyTorch has no fused kernel for both).
+        On CPU (dense tensors) the NumPy kernels do it in one pass, on views of the
+        tensors' memory. Elsewhere PyTorch's unscale kernel, then ``_foreach_norm`` in
+        float64 (a second read: PyTorch has no fused kernel for both). A sparse
+        gradient's norm is its coalesced sum's; a DTensor's is over all its shards.
         """
-        inverse_scale(scale)  # validates the scale, as unscale() does
-        route = _host_route(_leaves(grads), scale)
+        inv, check = inverse_scale(scale)  # validates the scale, as unscale() does
+        leaves = _leaves(grads)
+        route = _route(leaves, scale)
         if route is not None:
             from ._numpy import BACKEND as NUMPY  # noqa: PLC0415 - loaded with its kernels
 
             _, found, norm = NUMPY.unscale_norm(*route)
             return grads, torch.tensor(bool(found)), torch.tensor(float(norm))
-        grads, flag = self.unscale(grads, scale)
-        values = [_values(t) for _, t in _leaves(grads)]
-        return grads, flag, _device_norm(values, flag.device)
+        replaced, values, flag = _unscale(leaves, scale, inv, check)
+        return _put(grads, replaced), flag, _norm(leaves, values, flag.device)
 
     def unscale_clip(
         self,
@@ -431,14 +600,16 @@ class TorchBackend:
         """See :meth:`scaler_core.Backend.unscale_clip`.
 
         On CPU (dense tensors) the NumPy kernels: one read, then one write unless the
-        step is skipped. On an accelerator: :meth:`unscale_norm`, then one
-        ``_foreach_mul_`` by the coefficient (1 on a skipped step, decided on the
-        device): three reads and two writes, and a skipped step's gradients are left
-        unscaled, as ``unscale_`` leaves them.
+        step is skipped. Elsewhere (an accelerator, sparse or sharded gradients): the
+        unscale and the norm as :meth:`unscale_norm`, then one ``_foreach_mul_`` by the
+        coefficient (1 on a skipped step, decided on the device): three reads and two
+        writes, and a skipped step's gradients are left unscaled, as ``unscale_``
+        leaves them.
         """
         limit = max_norm_of(max_norm)
-        inverse_scale(scale)
-        route = _host_route(_leaves(grads), scale)
+        inv, check = inverse_scale(scale)
+        leaves = _leaves(grads)
+        route = _route(leaves, scale)
         if route is not None:
             from ._numpy import BACKEND as NUMPY  # noqa: PLC0415 - loaded with its kernels
 
@@ -453,24 +624,27 @@ class TorchBackend:
 
             _, _, host_norm = NUMPY.unscale_clip(*route, limit, decide)
             return grads, decided[0], torch.tensor(float(host_norm))
-        grads, flag, norm = self.unscale_norm(grads, scale)
+        replaced, values, flag = _unscale(leaves, scale, inv, check)
+        norm = _norm(leaves, values, flag.device)
         if reduce is not None:
             flag = reduce(flag)
-        values = [_values(t) for _, t in _leaves(grads)]
         coef = clip_factor(norm, limit, _flag(flag))
-        for device, by_dtype in _buckets(values).items():
-            for tensors in by_dtype.values():
-                torch._foreach_mul_(tensors, coef.to(device, non_blocking=True))
-        return grads, flag, norm
+        with torch.no_grad():
+            for device, by_dtype in _buckets(values).items():
+                for tensors in by_dtype.values():
+                    torch._foreach_mul_(tensors, coef.to(device, non_blocking=True))
+        return _put(grads, replaced), flag, norm
 
     def find_non_finite(self, grads: Any) -> torch.Tensor:
-        """See :meth:`scaler_core.Backend.find_non_finite`: one read, nothing written."""
-        buckets = _buckets(_values(leaf) for _, leaf in _leaves(grads))
+        """See :meth:`scaler_core.Backend.find_non_finite`: one read, nothing written (a
+        sparse gradient with duplicate indices is read as summed, in a temporary)."""
+        leaves = _leaves(grads)
+        buckets = _buckets(elements(leaf) for leaf in leaves)
         found = {
             dev: _non_finite([t for ts in by_dtype.values() for t in ts], dev).float()
             for dev, by_dtype in buckets.items()
         }
-        return _combine(found, torch.device("cpu"))
+        return _any_over_shards(leaves, _combine(found, torch.device("cpu")))
 
     def scale_loss(self, loss: Any, scale: Any) -> torch.Tensor:
         """See :meth:`scaler_core.Backend.scale_loss`: float32 (or float64) on the loss's device."""

@@ -248,7 +248,14 @@ class GradScaler(torch.amp.GradScaler):
     def _look_for_leaves(
         self, optimizer: torch.optim.Optimizer, found: dict[torch.device, torch.Tensor]
     ) -> None:
-        """With ``report_leaves``, name the optimizer's non-finite gradients (if any)."""
+        """With ``report_leaves``, name the optimizer's non-finite gradients (if any).
+
+        Called wherever a step's flags are made: ``_unscale_grads_`` (``unscale_``,
+        and ``step`` for other optimizers), ``_check_inf_per_device`` (``step`` with a
+        fused optimizer, which unscales in its own kernel) and ``unscale_and_clip_``.
+        A fused optimizer's overflow that only its own unscale would make (a scale
+        below 1) is flagged but names no leaf: the gradients themselves are finite.
+        """
         if not self._report_leaves or not any(bool(f.item()) for f in found.values()):
             return
         grads = [[p.grad for p in group["params"]] for group in optimizer.param_groups]
@@ -264,6 +271,7 @@ class GradScaler(torch.amp.GradScaler):
         inv = scale.double().reciprocal() if self._may_fall_below_one() else None
         check_for_fused(buckets, inv, found)
         self._reduce(found)
+        self._look_for_leaves(optimizer, found)
         self._per_optimizer_states[id(optimizer)]["found_inf_per_device"] = found
         return cast(dict[str, Any], found)  # PyTorch's annotation; the keys are devices
 
@@ -347,10 +355,19 @@ class GradScaler(torch.amp.GradScaler):
         and records the optimizer's found flag as ``unscale_`` does (so ``step`` skips
         as usual). On CPU it reads the gradients once and, unless the step will be
         skipped, writes them once (clipped with ``clip_grad_norm_``'s coefficient);
-        on a skipped step it writes nothing. On an accelerator it is ``unscale_``,
-        the norm and one multiply, with no host synchronisation. The norm is summed in
-        float64 (``clip_grad_norm_`` sums in the gradients' dtype), so it can differ
-        from PyTorch's in the last float32 bits.
+        on a skipped step it writes nothing. On an accelerator (and for sparse or
+        DTensor gradients) it is ``unscale_``, the norm and one multiply, with no host
+        synchronisation. A sparse gradient is clipped as its coalesced sum, and
+        ``param.grad`` then holds the coalesced tensor; under FSDP2 the norm is the
+        global one over all shards, the same on every rank.
+
+        The norm's squares are summed in float64 and rounded once (within one float32
+        ulp of the exact norm); ``clip_grad_norm_`` takes each tensor's norm in the
+        gradients' own dtype. For float32 gradients the two were measured within
+        about one float32 ulp of each other (on the CPU); for bfloat16 or float16
+        gradients PyTorch's norm is itself a half-precision number (off by up to
+        2.5e-3, relative), and its clip coefficient with it. For the same norm the
+        clipped gradients are PyTorch's bit for bit.
 
         Raises:
             RuntimeError: As ``unscale_``: called twice for the optimizer in a step, or
@@ -368,19 +385,19 @@ class GradScaler(torch.amp.GradScaler):
             )
         if optimizer_state["stage"] is OptState.STEPPED:
             raise RuntimeError("unscale_() is being called after step().")  # PyTorch's error
-        buckets = self._buckets(optimizer, allow_fp16=False)
-        if any(p.grad is not None and p.grad.is_sparse for p in params):
-            self.unscale_(optimizer)  # sparse values: PyTorch's own route
-            self._norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
-            return self._norm
-        grads = [g for by_dtype in buckets.values() for ts in by_dtype.values() for g in ts]
+        buckets = self._buckets(optimizer, allow_fp16=False)  # PyTorch's checks, nothing changed
+        owners = [p for p in params if p.grad is not None]
 
         def reduce(flag: torch.Tensor) -> torch.Tensor:
             found = {flag.device: flag.float()}
             self._reduce(found)
             return found[flag.device] > 0
 
-        _, found, norm = _TORCH.unscale_clip(grads, _scale, max_norm, reduce)
+        grads = [p.grad for p in owners]
+        grads, found, norm = _TORCH.unscale_clip(grads, _scale, max_norm, reduce)
+        for param, grad in zip(owners, grads, strict=True):
+            if grad is not param.grad:  # a sparse gradient, coalesced
+                param.grad = grad
         optimizer_state["found_inf_per_device"] = {
             dev: found.to(dev, dtype=torch.float32, non_blocking=True) for dev in buckets
         }

@@ -160,3 +160,93 @@ def test_empty_tensors_are_checked_like_any_other() -> None:
     assert not bool(sc.find_non_finite([torch.zeros(0), torch.ones(2)]))
     assert bool(sc.find_non_finite([torch.zeros((0, 3)), torch.tensor([math.inf])]))
     assert not bool(sc.find_non_finite({"e": torch.zeros(0, dtype=torch.bfloat16)}))
+
+
+def _embedding_grad(dtype: Any = torch.float32, scale: float = 1.0) -> Any:
+    """An ``nn.Embedding(sparse=True)`` gradient with a repeated index: not coalesced."""
+    torch.manual_seed(3)
+    emb = torch.nn.Embedding(6, 4, sparse=True)
+    weights = torch.randn(5, 4)
+    (emb(torch.tensor([1, 4, 1, 1, 2])) * weights).sum().mul(scale).backward()
+    grad = emb.weight.grad
+    assert grad is not None
+    assert grad.is_sparse
+    assert not grad.is_coalesced()
+    return grad.to(dtype)
+
+
+def _their_clip(coalesced: Any, max_norm: float, norm: Any) -> Any:
+    """PyTorch's clip of a coalesced gradient's values, for a given norm (its coefficient)."""
+    values = torch.nn.Parameter(torch.zeros_like(coalesced._values()))
+    values.grad = coalesced._values().clone()
+    torch.nn.utils.clip_grads_with_norm_([values], max_norm, norm)
+    return values.grad
+
+
+def test_the_norm_and_clip_of_a_sparse_gradient_are_those_of_its_coalesced_sum() -> None:
+    """Duplicate indices are summed before the norm (PyTorch's clip cannot take a sparse
+    gradient at all: its oracle is clip_grad_norm_ on the coalesced gradient's values)."""
+    scale, max_norm = 1024.0, 0.5
+    grad = _embedding_grad(scale=scale)
+    # PyTorch's route: GradScaler.unscale_ (the stored values), then coalesce.
+    param = torch.nn.Parameter(torch.zeros(grad.shape))
+    param.grad = grad.clone()
+    theirs = torch.amp.GradScaler("cpu", init_scale=scale)
+    theirs.scale(torch.ones(()))
+    theirs.unscale_(torch.optim.SGD([param], lr=1.0))
+    coalesced = param.grad.coalesce()
+    their_norm = torch.nn.utils.get_total_norm([coalesced._values()])
+    exact = math.sqrt(math.fsum(v * v for v in coalesced._values().double().flatten().tolist()))
+
+    out, found, norm = sc.unscale_and_norm({"emb": grad.clone()}, scale)
+    assert not bool(found)
+    assert out["emb"].is_coalesced()
+    assert torch.equal(out["emb"]._values(), coalesced._values())
+    assert torch.equal(out["emb"]._indices(), coalesced._indices())
+    assert float(norm) == pytest.approx(float(their_norm), rel=1e-6)
+    assert float(norm) == float(np.float32(exact))  # float64 sum, rounded once
+
+    out, found, norm = sc.unscale_and_clip({"emb": grad.clone()}, scale, max_norm)
+    assert not bool(found)
+    assert float(norm) == float(np.float32(exact))
+    assert torch.equal(out["emb"]._indices(), coalesced._indices())
+    clipped = _their_clip(coalesced, max_norm, norm)
+    assert torch.equal(out["emb"]._values(), clipped)  # PyTorch's coefficient, bit for bit
+
+
+def test_float16_duplicates_that_overflow_only_once_summed_are_seen_by_every_check() -> None:
+    """unscale coalesces a float16 sparse gradient first, as PyTorch's GradScaler does;
+    detection, the facade's detect and the leaf report see the same sum."""
+    i = torch.tensor([[0, 1, 0]])
+    v = torch.tensor([60000.0, 1.0, 60000.0], dtype=torch.float16)
+    grad = torch.sparse_coo_tensor(i, v, (3,), check_invariants=True)
+    param = torch.nn.Parameter(torch.zeros(3, dtype=torch.float16))
+    param.grad = grad.clone()
+    theirs = torch.amp.GradScaler("cpu", init_scale=1.0)
+    opt = torch.optim.SGD([param], lr=1.0)
+    theirs.scale(torch.ones(()))
+    found = theirs._unscale_grads_(opt, torch.ones(()), torch.zeros(()), True)
+    assert [f.item() for f in found.values()] == [1.0]  # PyTorch: inf once summed
+    assert bool(sc.unscale([grad.clone()], 1.0)[1])
+    assert bool(sc.find_non_finite([grad]))
+    facade = sc.GradScaler()
+    assert bool(facade.detect([grad]))
+    assert [str(r) for r in sc.non_finite_leaves({"emb": grad})] == ["grads['emb']: 1 inf, 0 nan"]
+    assert not grad.is_coalesced()  # the read-only checks left the caller's tensor as it was
+
+
+def test_a_refused_sparse_call_changes_nothing() -> None:
+    grad = _embedding_grad(scale=8.0)
+    before = (grad._indices().clone(), grad._values().clone())
+    bad = {"emb": grad, "w": torch.ones(2, dtype=torch.int32)}
+    for call in (
+        lambda: sc.unscale_and_clip(bad, 8.0, 1.0),
+        lambda: sc.unscale_and_norm(bad, 8.0),
+        lambda: sc.unscale({"emb": grad}, -1.0),
+        lambda: sc.unscale_and_clip({"emb": grad}, 8.0, -1.0),
+    ):
+        with pytest.raises(sc.ScalerError):
+            call()
+        assert not grad.is_coalesced()
+        assert torch.equal(grad._indices(), before[0])
+        assert torch.equal(grad._values(), before[1])

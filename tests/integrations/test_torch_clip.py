@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import math
+from typing import Any
 
+import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -102,3 +104,68 @@ def test_the_report_names_the_overflowing_gradient_and_pickling_drops_the_callba
     assert copy.get_scale() == 1.0
     with pytest.raises(InvalidArgumentError, match="report_leaves="):
         GradScaler("cpu", report_leaves=1)
+
+
+def test_a_sparse_gradient_is_clipped_as_its_coalesced_sum() -> None:
+    """nn.Embedding(sparse=True) with a repeated index: the drop-in unscales as PyTorch's
+    GradScaler does, then clips the coalesced gradient with clip_grad_norm_'s coefficient
+    (PyTorch's own clip_grad_norm_ refuses a sparse gradient: the oracle runs on its values)."""
+
+    def model() -> tuple[Any, Any, Any]:
+        torch.manual_seed(0)
+        emb = torch.nn.Embedding(8, 4, sparse=True)
+        head = torch.nn.Linear(4, 1)
+        opt = torch.optim.SGD([*emb.parameters(), *head.parameters()], lr=0.1)
+        return emb, head, opt
+
+    def backward(scaler: Any, emb: Any, head: Any) -> None:
+        out = head(emb(torch.tensor([[1, 3, 1, 1], [5, 3, 0, 1]]))).sum()
+        scaler.scale(out * 100).backward()
+
+    emb, head, opt = model()
+    ours = GradScaler("cpu", init_scale=2.0**10)
+    backward(ours, emb, head)
+    assert not emb.weight.grad.is_coalesced()
+    with pytest.raises(InvalidArgumentError, match="max_norm"):
+        ours.unscale_and_clip_(opt, -1.0)  # refused: nothing unscaled, the stage unchanged
+    norm = ours.unscale_and_clip_(opt, 1.0)
+
+    emb2, head2, opt2 = model()
+    theirs = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+    backward(theirs, emb2, head2)
+    theirs.unscale_(opt2)
+    emb2.weight.grad = emb2.weight.grad.coalesce()
+    values = [emb2.weight.grad._values(), head2.weight.grad, head2.bias.grad]
+    exact = math.sqrt(math.fsum(x * x for v in values for x in v.double().flatten().tolist()))
+    assert float(norm) == pytest.approx(float(torch.nn.utils.get_total_norm(values)), rel=1e-6)
+    assert abs(float(norm) - exact) <= float(np.spacing(np.float32(exact)))  # float64 sum
+    holders = [torch.nn.Parameter(torch.zeros_like(v)) for v in values]
+    for holder, v in zip(holders, values, strict=True):
+        holder.grad = v.clone()
+    torch.nn.utils.clip_grads_with_norm_(holders, 1.0, norm)  # PyTorch's clip for this norm
+    got = [emb.weight.grad, head.weight.grad, head.bias.grad]
+    assert got[0].is_coalesced()
+    assert torch.equal(got[0]._indices(), emb2.weight.grad._indices())
+    for g, holder in zip([got[0]._values(), *got[1:]], holders, strict=True):
+        assert torch.equal(g, holder.grad)
+    ours.step(opt)
+    assert ours.stepped(opt)
+    ours.update()
+
+
+def test_the_report_names_the_leaf_with_a_fused_optimizer() -> None:
+    """A fused optimizer unscales in its own kernel: step() checks it through
+    _check_inf_per_device, not _unscale_grads_; the skipped step still names the leaf."""
+    first, second = torch.nn.Parameter(torch.zeros(3)), torch.nn.Parameter(torch.zeros(2))
+    opt = torch.optim.Adam([{"params": [first]}, {"params": [second]}], lr=0.1, fused=True)
+    reports: list[StepReport] = []
+    scaler = GradScaler("cpu", init_scale=4.0, on_step=reports.append, report_leaves=True)
+    for bad in (True, False):
+        scaler.scale(torch.ones(()))
+        first.grad = torch.ones(3)
+        second.grad = torch.tensor([math.nan, math.inf]) if bad else torch.ones(2)
+        scaler.step(opt)
+        scaler.update()
+    assert [r.kind for r in reports] == [StepKind.BACKOFF, StepKind.COUNT]
+    assert [str(leaf) for leaf in reports[0].leaves] == ["grads[1][0]: 1 inf, 1 nan"]
+    assert reports[1].leaves == ()

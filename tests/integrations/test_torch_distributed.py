@@ -1,20 +1,27 @@
-"""``GradScaler(process_group=...)``: ranks that check different gradients skip together.
+"""``GradScaler`` over ``torch.distributed``: ranks that check different gradients skip together.
 
-Two real processes over ``torch.distributed`` (gloo, on the CPU) run
-``torch_scripts/sharded.py``: each rank owns half the parameters, as under ZeRO or
-FSDP, and an inf lands in rank 1's half only. With the process group both ranks
-make the same decisions and end with the same state and parameters; without it
-they part ways (which is what the group is for).
+Two real processes over ``torch.distributed`` (gloo on the loopback interface, on
+the CPU) run a script from ``torch_scripts/``:
+
+* ``sharded.py``: each rank owns half the parameters, as under ZeRO, and an inf
+  lands in rank 1's half only. With ``process_group=`` both ranks make the same
+  decisions and end with the same state and parameters; without it they part ways
+  (which is what the group is for).
+* ``fsdp2.py``: FSDP2 (``fully_shard``, DTensor gradients), scaler-core's drop-in
+  with ``unscale_and_clip_`` and ``report_leaves=True`` beside PyTorch's own
+  ``unscale_`` and clip, with no process group.
 """
 
 from __future__ import annotations
 
+import math
 import os
 import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch", reason="the torch integration needs PyTorch")
@@ -24,17 +31,17 @@ pytestmark = [
     pytest.mark.torch,
     pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not built in"),
 ]
-SCRIPT = Path(__file__).resolve().parent / "torch_scripts" / "sharded.py"
+SCRIPTS = Path(__file__).resolve().parent / "torch_scripts"
 TIMEOUT_S = 120.0  # a healthy run takes a few seconds; only a hang comes near it
 
 
-def _run(tmp_path: Path, mode: str) -> list[dict[str, Any]]:
+def _run(tmp_path: Path, mode: str, script: str = "sharded.py") -> list[dict[str, Any]]:
     init = tmp_path / f"store-{mode}"
     outs = [tmp_path / f"rank{r}-{mode}.pt" for r in range(2)]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo"}
     procs = [
         subprocess.Popen(
-            [sys.executable, str(SCRIPT), str(r), "2", str(init), str(outs[r]), mode],
+            [sys.executable, str(SCRIPTS / script), str(r), "2", str(init), str(outs[r]), mode],
             env=env,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
@@ -67,3 +74,47 @@ def test_without_the_group_the_ranks_part_ways(tmp_path: Path) -> None:
     assert rank0["decisions"].count(False) == 0  # rank 0 never saw rank 1's inf
     assert rank1["decisions"].count(False) == 4
     assert rank0["state"]["scale"] != rank1["state"]["scale"]
+
+
+def test_fsdp2_gradients_take_every_extra_as_pytorchs_pair(tmp_path: Path) -> None:
+    """FSDP2 (DTensor gradients): ``unscale_and_clip_`` gives the global norm, the same
+    flag on every rank and PyTorch's clip; the report names the leaf on every rank.
+
+    PyTorch's clip gets scaler-core's norm (``clip_grads_with_norm_``), so the two runs
+    are bit-identical; the two norms differ only in how the squares are summed
+    (PyTorch: float32; scaler-core: float64, rounded once), so scaler-core's is within
+    one float32 ulp of the exact norm and PyTorch's within a few.
+    """
+    runs = _run(tmp_path, "-", "fsdp2.py")
+    inf_steps = [3, 8]
+    for rank, run in enumerate(runs):
+        # PyTorch's own pair, with no process group: its DTensor layer all-reduces the
+        # flag of its unscale kernel, so rank 0 sees rank 1's inf (process_group= is not
+        # needed under FSDP2), and so does scaler-core's drop-in.
+        for step, (our_flags, their_flags) in enumerate(run["flags"]):
+            expected = [1.0] if step in inf_steps else [0.0]
+            assert our_flags == their_flags == expected, (rank, step)
+        assert [not s for s in run["stepped"]] == [s in inf_steps for s in range(12)]
+        assert run["leaves"] == [
+            ["grads[0][2]: 1 inf, 0 nan"] if s in inf_steps else [] for s in range(12)
+        ]
+        for step, (ours, theirs, exact) in enumerate(
+            zip(run["ours"], run["theirs"], run["exact"], strict=True)
+        ):
+            if step in inf_steps:
+                assert math.isinf(ours)
+                assert math.isinf(theirs)
+                continue
+            ulp = float(np.spacing(np.float32(exact)))
+            assert abs(ours - exact) <= ulp, step  # the float64 sum, rounded once
+            assert ours == pytest.approx(theirs, rel=1e-6), step  # PyTorch's float32 sum
+        for ours, theirs in run["params"]:
+            assert torch.equal(ours, theirs)
+        assert run["scales"][0] == run["scales"][1] == 2.0**10
+        assert run["found"]
+        assert run["report"] == ["grads['w']: 0 inf, 1 nan"]
+        message, untouched = run["refused"]
+        assert message.startswith("grads['w'] is a DTensor placed (Partial(sum),)")
+        assert ".redistribute(" in message
+        assert untouched == [4.0, 4.0]
+    assert runs[0]["ours"] == runs[1]["ours"]  # the global norm, on every rank

@@ -82,7 +82,15 @@ from ._serialize import (  # noqa: E402
     to_dict,
     to_torch_state_dict,
 )
-from ._state import Failure, ScalerState, StepKind, classify, device_update, init  # noqa: E402
+from ._state import (  # noqa: E402
+    Failure,
+    ScalerState,
+    StepKind,
+    classify,
+    device_update,
+    init,
+    step_skipped,
+)
 
 #: The one place the version is written (pyproject.toml reads it from here).
 __version__ = "0.1.0"
@@ -128,6 +136,7 @@ __all__ = [  # noqa: RUF022 - plain sorted(), which tests/core/test_public_api.p
     "non_finite_leaves",
     "preset",
     "register_backend",
+    "step_skipped",
     "to_dict",
     "to_torch_state_dict",
     "unscale",

@@ -24,7 +24,14 @@ from ._config import ScalerConfig
 from ._errors import InvalidArgumentError, InvalidStateError, LifecycleError
 from ._report import LeafReport, non_finite_leaves
 from ._serialize import from_dict, to_dict
-from ._state import ScalerState, StepKind, classify, norm_missing_error, start_state
+from ._state import (
+    ScalerState,
+    StepKind,
+    host_outcome,
+    norm_missing_error,
+    start_state,
+    step_skipped,
+)
 
 __all__ = ["TRANSITIONS", "Call", "GradScaler", "StepPhase", "StepReport"]
 
@@ -406,24 +413,32 @@ class GradScaler:
 
     def should_skip_step(self) -> bool:
         """Whether this step is skipped (a host synchronisation): its gradients held
-        NaN/inf or, with spike skipping on, its norm is a spike.
+        NaN/inf, with spike skipping on its norm is a spike, or its update will be
+        refused (:func:`scaler_core.step_skipped` of the state the update gives).
 
         Clip and step the optimizer only when this is false.
 
         Raises:
             LifecycleError: No gradients were checked in this step.
+            ScaleCollapseError: A device transition recorded a failure in the
+                state (``SkipLimitError`` for the skip limit); nothing changes.
             InvalidArgumentError: Spike skipping is on and no call of this step
                 computed a norm (use :meth:`unscale_and_norm` or
                 :meth:`unscale_and_clip`).
         """
         phase = self._next(Call.SHOULD_SKIP_STEP)
-        skip = self._backend_for(None).to_bool(self._step_found())
-        if not skip and self.config.spike_threshold is not None:
+        found = self._backend_for(None).to_bool(self._step_found())
+        norm = None
+        if self.config.spike_threshold is not None:
             norm = self.grad_norm
             if norm is None:
                 raise norm_missing_error(self.config)
-            state = self._state if self._state.on_host else self._state.to_host()
-            skip = classify(state, False, float(norm)).skipped
+            norm = float(norm)
+        # A host-side look: a failure a device transition recorded raises here.
+        state = self._state.to_host()
+        # The shared rule, over the state this step's update would give (a step the
+        # update would refuse is skipped: its failure is recorded, not raised, here).
+        skip: bool = step_skipped(host_outcome(state, found, norm))
         self._phase = phase
         return skip
 

@@ -186,7 +186,9 @@ def flax(
 
     flax grows when its ``fin_steps`` *equals* ``growth_interval``, i.e. on the
     ``growth_interval + 1``-th clean step, and clamps growth at the largest
-    float32 instead of refusing it.
+    float32 instead of refusing it. Its gradients are float32 whatever their
+    dtype; scaler-core keeps the dtype (see ``PRESETS["flax"].differences``):
+    cast the scaled gradients to float32 before unscaling to get flax's.
     """
     return ScalerConfig(
         init_scale=scale,
@@ -327,7 +329,17 @@ PRESETS: Mapping[str, PresetInfo] = MappingProxyType(
                 "its default floor is float32 tiny. "
                 + _NO_COLLAPSE.replace(
                     "0 or subnormal", "0 or subnormal (only with minimum_scale=None)"
-                ),
+                )
+                + " In the gradients: flax casts every gradient to float32 and returns "
+                "float32 gradients (checking those), where scaler-core keeps each "
+                "gradient's dtype: float16 and bfloat16 are computed in float32 and "
+                "written back in their dtype (values below the dtype's smallest "
+                "subnormal become 0, values past its largest become inf and the step "
+                "is skipped), and the check reads the written value; float64 stays "
+                "float64. flax divides by the scale, which XLA compiles into a multiply "
+                "by the reciprocal, scaler-core's f32(1/f64(scale)): the values agree. "
+                "Cast the scaled gradients to float32 before unscaling (before "
+                "tx.update) to get flax's gradients and flag bit for bit.",
             ),
             PresetInfo(
                 "keras",

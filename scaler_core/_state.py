@@ -80,6 +80,7 @@ from ._errors import (
     GradientTypeError,
     InvalidArgumentError,
     InvalidStateError,
+    ReplicaMismatchError,
     ScaleCollapseError,
     SkipLimitError,
 )
@@ -91,6 +92,7 @@ __all__ = [
     "FLAG_MUST",
     "FLOAT_FIELDS",
     "NORM_MUST",
+    "SKIPPED_CODES",
     "SPIKE_FIELDS",
     "Failure",
     "ScalerState",
@@ -101,6 +103,7 @@ __all__ = [
     "flag_error",
     "host_flag",
     "host_norm",
+    "host_outcome",
     "host_update",
     "init",
     "norm_missing_error",
@@ -108,6 +111,7 @@ __all__ = [
     "register_pytree",
     "require_state",
     "start_state",
+    "step_skipped",
 ]
 
 
@@ -188,6 +192,8 @@ _SKIPPED = frozenset(
 #: Stable codes: never renumber one (checkpoints store them); append new kinds.
 _CODE_OF_KIND = {kind: code for code, kind in enumerate(StepKind, start=1)}
 _KIND_OF_CODE = {code: kind for kind, code in _CODE_OF_KIND.items()}
+#: The codes of the kinds whose optimizer step is skipped (from :attr:`StepKind.skipped`).
+SKIPPED_CODES = tuple(sorted(code for kind, code in _CODE_OF_KIND.items() if kind.skipped))
 #: The codes ``last_kind`` can hold: no step yet, or a step that was applied.
 LAST_KIND_CODES = frozenset({0} | {c for k, c in _CODE_OF_KIND.items() if k not in _FAILING})
 _FAILURE_OF_KIND = {
@@ -284,30 +290,42 @@ class ScalerState:
         >>> init().last_step is None, update(init(), True).last_step
         (True, <StepKind.BACKOFF: 'backoff'>)
         """
-        return StepKind.from_code(int(self.last_kind))
+        return StepKind.from_code(_one_value(self, "last_kind", int))
 
     def check(self) -> ScalerState:
         """Raise the error a device transition recorded; return the state otherwise.
 
-        On a device state this reads one value back to the host.
+        On a device state this reads one value back to the host. A replicated
+        state (every field with a leading replica axis, as ``jax.pmap`` returns
+        it) is read as one state when every replica holds the same values.
 
         Raises:
             ScaleCollapseError: A transition collapsed or hit a failing floor.
             SkipLimitError: The consecutive-skip limit was passed.
+            ReplicaMismatchError: The replicas of a replicated state disagree.
         """
-        code = int(self.failure)
+        code = _one_value(self, "failure", int)
         if code:
             raise _failure_error(Failure(code), self, recorded=True)
         return self
 
     def current_scale(self) -> float:
-        """The scale as a Python float, after :meth:`check`."""
-        return float(self.check().scale)
+        """The scale as a Python float, after :meth:`check` (also of a replicated state)."""
+        scale: float = _one_value(self.check(), "scale", float)
+        return scale
 
     def to_host(self) -> ScalerState:
-        """This state with Python scalars in every field, after :meth:`check`."""
+        """This state with Python scalars in every field, after :meth:`check`.
+
+        A replicated state gives the one state its replicas agree on.
+
+        Raises:
+            ScaleCollapseError: A failure is recorded (:meth:`check`).
+            ReplicaMismatchError: The replicas of a replicated state disagree.
+        """
         self.check()
-        return _convert(self, float, int)
+        values = {n: _one_value(self, n, float if n in FLOAT_FIELDS else int) for n in DATA_FIELDS}
+        return ScalerState(self.config, **values)
 
 
 #: The fields that change from step to step (the pytree leaves under JAX), in the
@@ -315,6 +333,61 @@ class ScalerState:
 #: config is the one static field.
 #: Every one of them is in exactly one of FLOAT_FIELDS and COUNTER_FIELDS (a test checks).
 DATA_FIELDS = tuple(f.name for f in dataclasses.fields(ScalerState) if not f.metadata["static"])
+
+
+def _one_value(state: ScalerState, name: str, cast: Callable[[Any], Any]) -> Any:
+    """Field ``name`` read to the host as one Python value.
+
+    A 0-d array or a scalar is read as it is. A field with a leading replica axis
+    (``jax.pmap`` replicates a state so) is read whole, in one transfer, and gives
+    its value only when every replica holds the same one: a silent pick of one
+    replica would hide a divergence.
+
+    Raises:
+        ReplicaMismatchError: The replicas disagree.
+        InvalidStateError: The field holds no value at all (an empty array).
+    """
+    value = getattr(state, name)
+    shape = getattr(value, "shape", None)
+    if shape is None or tuple(shape) == ():
+        return cast(value)
+    values = [cast(v) for v in _flat(value.tolist())]
+    if not values:
+        raise InvalidStateError(
+            f"state.{name} has shape {tuple(shape)} and holds no value; pass a state "
+            f"with one value per field (or one per replica)"
+        )
+
+    def same(a: Any, b: Any) -> bool:
+        nans = isinstance(a, float) and isinstance(b, float) and math.isnan(a) and math.isnan(b)
+        return bool(a == b or nans)  # NaN equals NaN here
+
+    groups: list[list[int]] = []
+    for i, v in enumerate(values):
+        group = next((g for g in groups if same(values[g[0]], v)), None)
+        if group is None:
+            groups.append([i])
+        else:
+            group.append(i)
+    if len(groups) > 1:
+        shown = ", ".join(f"replica {g[0]} holds {values[g[0]]!r}" for g in groups[:4])
+        raise ReplicaMismatchError(
+            f"state.{name} differs between the {len(values)} replicas of this state "
+            f"(shape {tuple(shape)}): {shown}; groups that agree: {groups}. Reading one "
+            f"of them would hide the divergence. Replicas diverge when their found "
+            f"flags differ: OR them over the mapped axis (loss_scaled(..., axis_name=...), "
+            f"scaler_core.jax.reduce_found); inspect one replica with "
+            f"jax.tree_util.tree_map(lambda a: a[i], state)",
+            groups=groups,
+            differences={name: dict(enumerate(values))},
+        )
+    return values[0]
+
+
+def _flat(value: Any) -> list[Any]:
+    if isinstance(value, list):
+        return [v for item in value for v in _flat(item)]
+    return [value]
 
 
 _PYTREE = [False]
@@ -698,6 +771,80 @@ def host_update(
     )
 
 
+def host_outcome(
+    state: ScalerState, found_non_finite: bool, grad_norm: object = None
+) -> ScalerState:
+    """The state after one host step, with a refusal recorded instead of raised.
+
+    What :func:`device_update` returns, computed on the host: :func:`host_update`'s
+    state, or, for a failing step, ``state`` unchanged but for its ``failure``
+    code; a state that already failed stays as it is. For deciding a step before
+    it is committed (:func:`step_skipped` over this), never for training on.
+
+    Args:
+        state: A host state.
+        found_non_finite: This step's flag.
+        grad_norm: The step's global norm (a host number), as :func:`host_update`.
+
+    Raises:
+        InvalidArgumentError: ``spike_threshold`` is set and ``grad_norm`` is None.
+        GradientTypeError: ``grad_norm`` is not a host real number.
+
+    >>> from scaler_core import ScalerConfig, init
+    >>> s = init(ScalerConfig(max_consecutive_skips=0))
+    >>> host_outcome(s, True).failure, step_skipped(host_outcome(s, True))
+    (3, True)
+    """
+    if require_state(state).failure:
+        return state
+    kind = classify(state, found_non_finite, grad_norm)
+    if kind.fails:
+        return dataclasses.replace(state, failure=int(_FAILURE_OF_KIND[kind]))
+    return host_update(state, found_non_finite, grad_norm)
+
+
+def step_skipped(state: ScalerState, xp: Any = None) -> Any:
+    """Whether the step that produced ``state`` must not be applied to the model.
+
+    The one definition of a skipped step, for every loop, facade and wrapper:
+    ``state`` is the state *after* the step's update, and the step is skipped
+    when a failure is recorded (``failure != 0``: the refused step, and every
+    step after it until the user deals with the failure) or when ``last_kind``
+    is the code of a :class:`StepKind` that is :attr:`~StepKind.skipped`
+    (non-finite gradients, a spike). A step that is not applied leaves the
+    parameters *and* the optimizer state as they were: select the old ones.
+
+    Args:
+        state: The state the step's update returned (host or device).
+        xp: ``None`` to answer on the host (a Python bool; a device state is
+            read back, also a replicated one whose replicas agree), or an array
+            namespace (``jax.numpy``, ``numpy``, ``cupy``) to answer with a 0-d
+            boolean array of it, with no host synchronisation (inside ``jax.jit``).
+
+    Returns:
+        A bool (``xp=None``), or a boolean array of ``xp``.
+
+    Raises:
+        InvalidArgumentError: ``state`` is not a :class:`ScalerState`.
+        ReplicaMismatchError: (``xp=None``) the replicas of a replicated state
+            disagree.
+
+    >>> from scaler_core import init, update
+    >>> step_skipped(update(init(), True)), step_skipped(update(init(), False))
+    (True, False)
+    """
+    require_state(state)
+    if xp is None:
+        failure = _one_value(state, "failure", int)
+        return failure != 0 or _one_value(state, "last_kind", int) in SKIPPED_CODES
+    i32 = xp.int32
+    kind = xp.asarray(state.last_kind, dtype=i32)
+    out = xp.asarray(state.failure, dtype=i32) != xp.asarray(0, dtype=i32)
+    for code in SKIPPED_CODES:
+        out = out | (kind == xp.asarray(code, dtype=i32))
+    return out
+
+
 # ---------------------------------------------------------------- the device rules
 def device_update(
     xp: Any, state: ScalerState, found_non_finite: Any, grad_norm: Any = None
@@ -924,7 +1071,7 @@ def _failure_error(failure: Failure, state: ScalerState, *, recorded: bool) -> S
         if recorded
         else "the state was left unchanged"
     )
-    scale = float(state.scale)
+    scale = _one_value(state, "scale", float)
     if failure is Failure.SKIP_LIMIT:
         return SkipLimitError(
             f"consecutive_skips would exceed max_consecutive_skips={cfg.max_consecutive_skips} "

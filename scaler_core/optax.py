@@ -4,11 +4,16 @@ Importing this module imports JAX and optax (``import scaler_core`` never does).
 
 :func:`loss_scaled` wraps an ``optax.GradientTransformation``. Its ``update``
 takes the gradients of the *scaled* loss, unscales them, detects non-finite
-values, runs the inner optimizer, and then *selects*: on a non-finite step the
-returned updates are ``-0.0`` (so ``optax.apply_updates`` leaves every parameter
-bit-identical, ``-0.0`` and NaN payloads included) and the inner optimizer
-state is the old one, bit for bit; the scaler state advances either way. No
-host synchronisation: the whole step traces once.
+values, runs the inner optimizer, and then *selects*: on a skipped step
+(:func:`scaler_core.step_skipped`: non-finite gradients, a spike, or a failure
+recorded by this or an earlier step) the returned updates are ``-0.0`` (so
+``optax.apply_updates`` leaves every parameter bit-identical, ``-0.0`` and NaN
+payloads included) and the inner optimizer state is the old one, bit for bit;
+the scaler state advances either way. No host synchronisation: the whole step
+traces once. After a refused step (a collapse, the skip limit) nothing is
+applied any more, ``state.found`` stays true and ``state.scaler.failure`` holds
+the code; the first host-side look (:func:`loss_scale` outside ``jit``,
+``state.scaler.check()``, ``current_scale()``, ``scaler_core.to_dict``) raises.
 
 Why select rather than zero the gradients: an optimizer fed zero gradients
 still steps. Adam's moments decay and its count advances, momentum keeps
@@ -29,6 +34,7 @@ A skipped step must be a step that did not happen.
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from typing import Any, NamedTuple
 
@@ -38,7 +44,7 @@ import optax
 
 from ._config import ScalerConfig
 from ._errors import InvalidArgumentError
-from ._state import ScalerState, StepKind, start_state
+from ._state import ScalerState, start_state, step_skipped
 from .backends._jax import BACKEND, require_float32_factors, to_device
 from .jax import reduce_found
 
@@ -51,8 +57,11 @@ class LossScaledState(NamedTuple):
     Attributes:
         inner: The wrapped optimizer's state.
         scaler: The :class:`~scaler_core.ScalerState` (on the device).
-        found: Whether the last step was skipped: its gradients were non-finite or,
-            with spike skipping on, its gradient norm was a spike.
+        found: Whether the last step was skipped (a device bool a loop can log with
+            no host synchronisation): its gradients were non-finite, with spike
+            skipping on its gradient norm was a spike, or a failure is recorded
+            (``scaler.failure`` is nonzero from the refused step on, and then no
+            step is applied until the user deals with it; see :func:`loss_scale`).
     """
 
     inner: Any
@@ -66,8 +75,18 @@ def loss_scale(state: LossScaledState) -> jax.Array:
     ``state`` is the optimizer state of :func:`loss_scaled`, as optax returns it or
     as flax NNX's ``nnx.Optimizer`` holds it (its leaves wrapped in NNX variables).
 
+    Inside ``jax.jit`` nothing is read: a failure recorded in the state travels on
+    (every step is then skipped, and ``state.found`` says so). Outside ``jit``,
+    on concrete arrays, this is a host-side look: it reads the failure code back
+    and raises the recorded failure (a replicated ``pmap`` state too).
+
     Raises:
         InvalidArgumentError: ``state`` is not a :class:`LossScaledState`.
+        ScaleCollapseError: (outside ``jit``) a collapse, or a backoff at a floor
+            configured to raise, is recorded in the state.
+        SkipLimitError: (outside ``jit``) the consecutive-skip limit was passed.
+        ReplicaMismatchError: (outside ``jit``) the replicas of a replicated
+            state disagree.
     """
     scaler = getattr(state, "scaler", None)
     if not isinstance(state, LossScaledState) or not isinstance(scaler, ScalerState):
@@ -75,11 +94,18 @@ def loss_scale(state: LossScaledState) -> jax.Array:
             f"state={type(state).__qualname__}, but it must be the LossScaledState that "
             f"loss_scaled(...).init returns (or an nnx.Optimizer's opt_state holding one)"
         )
-    scale = scaler.scale
-    if type(scale).__module__.startswith("flax"):  # an NNX variable around the array
-        get_value = getattr(scale, "get_value", None)  # flax >= 0.12; .value before
-        scale = get_value() if callable(get_value) else scale.value
+    scale, failure = _unwrap(scaler.scale), _unwrap(scaler.failure)
+    if not isinstance(failure, jax.core.Tracer):  # a host-side look: raise a failure
+        dataclasses.replace(scaler, scale=scale, failure=failure).check()
     return scale  # type: ignore[no-any-return]
+
+
+def _unwrap(value: Any) -> Any:
+    """The array inside an NNX variable (``nnx.Optimizer`` wraps its state's leaves)."""
+    if type(value).__module__.startswith("flax"):
+        get_value = getattr(value, "get_value", None)  # flax >= 0.12; .value before
+        return get_value() if callable(get_value) else value.value
+    return value
 
 
 def _inside_multisteps() -> bool:
@@ -107,8 +133,9 @@ def loss_scaled(
 
     Feed its ``update`` the gradients of ``loss * loss_scale(opt_state)``. It
     returns the inner optimizer's updates of the unscaled gradients, or, on a
-    non-finite step, ``-0.0`` updates and the old inner state (see the module
-    docstring for why this is a select and not zeroed gradients).
+    skipped step (:func:`scaler_core.step_skipped` of the updated scaler state),
+    ``-0.0`` updates and the old inner state (see the module docstring for why
+    this is a select and not zeroed gradients).
 
     Args:
         inner: Any optax gradient transformation (extra args are passed on).
@@ -166,9 +193,10 @@ def loss_scaled(
             if norm is not None:
                 norm = jax.lax.pmax(norm, axis_name)  # type: ignore[no-untyped-call]
         scaler = BACKEND.update(opt_state.scaler, found, norm)
-        skip = found
-        if spikes:
-            skip = found | (scaler.last_kind == StepKind.SPIKE_SKIP.code)
+        # Decided from the state after the update, by the one shared rule: a failing
+        # step leaves last_kind as the previous step's, and records `failure`, which
+        # stays set, so from a refused step on nothing is applied.
+        skip = step_skipped(scaler, jnp)
         new_updates, new_inner = inner.update(grads, opt_state.inner, params, **extra)
         # -0.0, not 0.0: x + (-0.0) == x bit for bit for every x, -0.0 included.
         no_op = jax.tree_util.tree_map(lambda u: jnp.full_like(u, -0.0), new_updates)

@@ -52,7 +52,7 @@ from ._config import ScalerConfig
 from ._errors import InvalidArgumentError, InvalidConfigError, ScaleCollapseError, TraceError
 from ._f32 import FLT_MAX, FLT_MIN
 from ._presets import preset
-from ._state import ScalerState, StepKind, init
+from ._state import ScalerState, init, step_skipped
 
 __all__ = [
     "DTYPE_MAX",
@@ -297,7 +297,7 @@ def _replay(
     floor = FLT_MIN if config.min_scale is None else config.min_scale
     scales: list[float] = []
     overflowed: list[bool] = []
-    spike_skips = 0
+    skipped = spike_skips = 0
     collapse_step = None
     norms = trace.grad_norm if config.spike_threshold is not None else None
     for step in range(len(trace)):
@@ -310,8 +310,9 @@ def _replay(
             break
         scales.append(scale)
         overflowed.append(found)
-        if norms is not None and int(new.last_kind) == StepKind.SPIKE_SKIP.code:
-            spike_skips += 1
+        if step_skipped(new):
+            skipped += 1
+            spike_skips += not found  # skipped with finite gradients: a spike
         state = new
         if not FLT_MIN <= float(state.scale) <= FLT_MAX:  # a user policy that failed open
             collapse_step = step + 1
@@ -320,7 +321,7 @@ def _replay(
     return PolicyResult(
         name=name,
         steps=len(scales),
-        skipped_steps=sum(overflowed) + spike_skips,
+        skipped_steps=skipped,
         recovery_steps=recovery,
         regrowth_steps=regrowth,
         steps_at_floor=sum(s <= floor for s in scales),

@@ -359,3 +359,32 @@ def test_the_kit_catches_a_policy_that_ignores_spikes() -> None:
     cfg = sc.ScalerConfig(spike_threshold=1.0, spike_window=2)
     with pytest.raises(PolicyViolationError):
         check_policy(ignores_spikes, config=cfg, max_examples=50)
+
+
+@given(
+    config=configs(spikes=True),
+    flags=flag_sequences(min_size=1, max_size=40),
+    data=st.data(),
+)
+def test_step_skipped_is_one_rule_on_the_host_and_on_arrays(
+    config: sc.ScalerConfig, flags: list[bool], data: st.DataObject
+) -> None:
+    """step_skipped over the state after a step: the host outcome, the device
+    transition on NumPy arrays and the host classification agree on every step,
+    the refused one included, and every step after a refusal is skipped."""
+    from scaler_core._state import SKIPPED_CODES, host_outcome
+
+    assert tuple(sorted(k.code for k in sc.StepKind if k.skipped)) == SKIPPED_CODES
+    norms = data.draw(norm_sequences(min_size=len(flags), max_size=len(flags)), label="norms")
+    host = dev = sc.init(config)
+    failed = False
+    for found, norm in zip(flags, norms, strict=True):
+        kind = None if failed else sc.classify(host, found, norm)
+        host = host_outcome(host, found, norm)
+        with np.errstate(all="ignore"):  # a growth past float32 max is formed, then blocked
+            dev = device_update(np, dev, np.bool_(found), np.float32(norm))
+        skipped = sc.step_skipped(host)
+        assert skipped is bool(sc.step_skipped(dev, np))
+        assert skipped is (failed or kind is None or kind.skipped)
+        failed = failed or int(host.failure) != 0
+        assert skipped or not failed

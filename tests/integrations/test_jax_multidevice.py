@@ -1,4 +1,5 @@
-"""Eight CPU devices in a subprocess: every replica makes the same skip decision."""
+"""Eight CPU devices in a subprocess: every replica makes the same skip decision, and a
+replicated (pmap) state is read, checked and refused on the host as one state."""
 
 from __future__ import annotations
 
@@ -76,6 +77,44 @@ for leaf in jax.tree_util.tree_leaves((params, opt_state)):
     a = np.asarray(leaf)
     assert all(np.array_equal(r, a[0], equal_nan=True) for r in a), a
 assert int(opt_state.scaler.skipped_steps[0]) == skips > 0, (skips, opt_state.scaler)
+
+# 4. pmap: host-side looks read the replicated state as one state, raise a recorded
+# failure, and refuse replicas that disagree instead of picking one.
+tx = loss_scaled(optax.sgd(0.1), sc.ScalerConfig(init_scale=2.0**-125), axis_name="d")
+
+def pstep(params, opt_state, bad):
+    g = jnp.where(bad, jnp.inf, 1.0) * jnp.ones(2) * loss_scale(opt_state)
+    updates, opt_state = tx.update({"w": g}, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state
+
+pstep = jax.pmap(pstep, axis_name="d")
+params = {"w": jnp.ones((n, 2))}
+opt_state = jax.pmap(tx.init)(params)
+assert opt_state.scaler.current_scale() == 2.0**-125
+assert float(loss_scale(opt_state)[0]) == 2.0**-125
+assert sc.to_dict(opt_state.scaler)["state"]["scale"] == 2.0**-125
+for bad in (False, True, True, False):  # the second overflow collapses: recorded
+    params, opt_state = pstep(params, opt_state, jnp.full((n,), bad))
+frozen = np.asarray(params["w"])
+params, opt_state = pstep(params, opt_state, jnp.zeros((n,), bool))
+assert np.array_equal(np.asarray(params["w"]), frozen)
+assert np.asarray(opt_state.found).all()
+for look in (opt_state.scaler.check, opt_state.scaler.current_scale,
+             lambda: sc.to_dict(opt_state.scaler), lambda: loss_scale(opt_state)):
+    try:
+        look()
+    except sc.ScaleCollapseError as exc:
+        assert "device transition recorded" in str(exc), exc
+    else:
+        raise AssertionError("a recorded collapse on a replicated state was not raised")
+import dataclasses
+split = dataclasses.replace(opt_state.scaler, failure=opt_state.scaler.failure.at[3].set(0))
+try:
+    split.check()
+except sc.ReplicaMismatchError as exc:
+    assert "replica 3" in str(exc) and exc.groups == [[0, 1, 2, 4, 5, 6, 7], [3]], exc
+else:
+    raise AssertionError("replicas that disagree were read as one")
 print("OK", skips)
 """
 

@@ -265,3 +265,103 @@ def test_without_float64_a_factor_float32_cannot_hold_is_refused_with_the_fix() 
     optax = pytest.importorskip("optax")
     with pytest.raises(sc.InvalidConfigError, match=r"jax_enable_x64"):
         loss_scaled(optax.sgd(0.1), cfg)
+
+
+def _collapsing_loop() -> tuple[Any, Any, Any]:
+    """A jitted optax step, and its params and optimizer state two overflows from a
+    collapse (2**-125 backs off to 2**-126, then to a subnormal: refused)."""
+    optax = pytest.importorskip("optax", reason="the optax wrapper needs optax")
+    from scaler_core.optax import loss_scale, loss_scaled
+
+    tx = loss_scaled(optax.adam(0.1), sc.ScalerConfig(init_scale=2.0**-125))
+    params = {"w": jnp.ones(3)}
+
+    @jax.jit
+    def step(params: Any, opt_state: Any, bad: Any) -> Any:
+        g = jnp.where(bad, jnp.inf, 1.0) * jnp.ones(3) * loss_scale(opt_state)
+        updates, opt_state = tx.update({"w": g}, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state
+
+    return step, params, tx.init(params)
+
+
+def test_after_a_recorded_collapse_loss_scaled_applies_nothing_and_says_so() -> None:
+    """The collapse is recorded inside jit; every later step, finite gradients
+    included, leaves the parameters and the optimizer state as they were, the state
+    says so on the device, and the first host-side look raises."""
+    from scaler_core.optax import loss_scale
+
+    step, params, opt_state = _collapsing_loop()
+    params, opt_state = step(params, opt_state, jnp.asarray(False))  # a real step
+    params, opt_state = step(params, opt_state, jnp.asarray(True))  # 2**-126
+    params, opt_state = step(params, opt_state, jnp.asarray(True))  # collapse: recorded
+    failed = opt_state.scaler.failure
+    assert isinstance(failed, jax.Array)
+    assert int(failed) == int(sc.Failure.COLLAPSE)
+    before = [np.asarray(x).tobytes() for x in jax.tree_util.tree_leaves((params, opt_state))]
+    for _ in range(3):  # finite gradients: nothing may move until the user acts
+        params, opt_state = step(params, opt_state, jnp.asarray(False))
+        assert bool(opt_state.found)  # a device bool a loop can log, no host sync
+    after = [np.asarray(x).tobytes() for x in jax.tree_util.tree_leaves((params, opt_state))]
+    assert after == before
+    for look in (
+        lambda: loss_scale(opt_state),
+        opt_state.scaler.check,
+        opt_state.scaler.current_scale,
+        lambda: sc.to_dict(opt_state.scaler),
+    ):
+        with pytest.raises(sc.ScaleCollapseError, match="device transition recorded"):
+            look()
+
+
+def test_the_functional_loop_skips_every_step_after_a_recorded_failure() -> None:
+    """The loop docs/jax.md shows: update, then select on step_skipped(state)."""
+    backend = sc.get_backend("jax")
+
+    @jax.jit
+    def step(params: Any, state: sc.ScalerState, bad: Any) -> Any:
+        grads = {"w": jnp.where(bad, jnp.inf, 1.0) * jnp.ones(2) * state.scale}
+        grads, found = sc.unscale(grads, state)
+        state = sc.update(state, found)
+        new = jax.tree_util.tree_map(lambda p, g: p - 0.1 * g, params, grads)
+        return backend.select(sc.step_skipped(state, jnp), params, new), state
+
+    params = {"w": jnp.ones(2)}
+    state = to_device(sc.init(sc.ScalerConfig(init_scale=2.0**-125)))
+    params, state = step(params, state, jnp.asarray(False))
+    assert float(params["w"][0]) != 1.0
+    for _ in range(2):
+        params, state = step(params, state, jnp.asarray(True))
+    moved = params
+    params, state = step(params, state, jnp.asarray(False))
+    assert int(state.failure) == int(sc.Failure.COLLAPSE)
+    assert np.asarray(params["w"]).tobytes() == np.asarray(moved["w"]).tobytes()
+    assert bool(sc.step_skipped(state, jnp))
+    assert sc.step_skipped(state) is True
+
+
+def _replicate(state: sc.ScalerState, n: int = 4) -> sc.ScalerState:
+    """What pmap returns: every field with a leading replica axis."""
+    return jax.tree_util.tree_map(lambda a: jnp.broadcast_to(a, (n, *a.shape)), state)
+
+
+def test_host_looks_read_a_replicated_state_and_refuse_replicas_that_disagree() -> None:
+    state = to_device(sc.update(sc.init(), True))
+    rep = _replicate(state)
+    assert rep.current_scale() == 32768.0
+    assert rep.check() is rep
+    assert rep.to_host() == state.to_host()
+    assert sc.to_dict(rep) == sc.to_dict(state)
+    assert rep.last_step is sc.StepKind.BACKOFF
+    failed = dataclasses.replace(rep, failure=jnp.full((4,), int(sc.Failure.SKIP_LIMIT)))
+    for look in (failed.check, failed.current_scale, failed.to_host):
+        with pytest.raises(sc.SkipLimitError, match="device transition recorded"):
+            look()
+    split = dataclasses.replace(rep, scale=rep.scale.at[2].set(1.0))
+    for look in (split.current_scale, split.to_host, lambda: sc.to_dict(split)):
+        with pytest.raises(sc.ReplicaMismatchError, match=r"scale.*replica 2") as info:
+            look()
+        assert info.value.differences["scale"][2] == 1.0
+    half = dataclasses.replace(rep, failure=rep.failure.at[1].set(int(sc.Failure.COLLAPSE)))
+    with pytest.raises(sc.ReplicaMismatchError, match="failure"):
+        half.check()

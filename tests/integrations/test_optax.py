@@ -6,6 +6,8 @@ from typing import Any
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 jax = pytest.importorskip("jax", reason="the optax wrapper needs jax")
 jnp = pytest.importorskip("jax.numpy", reason="the optax wrapper needs jax")
@@ -162,3 +164,89 @@ def test_a_spike_is_skipped_inside_jit_like_an_overflow() -> None:
     assert opt_state.scaler.last_step is sc.StepKind.COUNT
     assert int(opt_state.scaler.skipped_steps) == 1
     assert float(loss_scale(opt_state)) == 65536.0
+
+
+_SKIP_CONFIGS: dict[tuple[int, int], Any] = {}
+
+
+def _spiky_step(window: int, limit: int) -> Any:
+    """A jitted loss_scaled(sgd(1)) step on one weight, fed ``v * scale`` (``v``: the
+    unscaled gradient, inf for an overflow); one compile per config."""
+    key = (window, limit)
+    if key not in _SKIP_CONFIGS:
+        config = sc.ScalerConfig(
+            init_scale=2.0**10,
+            growth_interval=3,
+            spike_threshold=2.0,
+            spike_window=window,
+            max_consecutive_skips=limit,
+        )
+        tx = loss_scaled(optax.sgd(1.0), config)
+
+        @jax.jit
+        def step(params: Any, opt_state: Any, v: Any) -> Any:
+            grads = {"w": jnp.reshape(v, (1,)) * loss_scale(opt_state)}
+            updates, opt_state = tx.update(grads, opt_state, params)
+            return optax.apply_updates(params, updates), opt_state
+
+        _SKIP_CONFIGS[key] = (config, tx, step)
+    return _SKIP_CONFIGS[key]
+
+
+def _optax_applied(window: int, limit: int, values: list[float]) -> list[bool]:
+    _, tx, step = _spiky_step(window, limit)
+    params = {"w": jnp.zeros(1)}
+    opt_state = tx.init(params)
+    applied = []
+    for v in values:
+        before = np.asarray(params["w"]).tobytes()
+        params, opt_state = step(params, opt_state, jnp.float32(v))
+        applied.append(np.asarray(params["w"]).tobytes() != before)
+    return applied
+
+
+def test_the_step_that_records_skip_limit_is_not_applied() -> None:
+    """An overflow, then a spike with max_consecutive_skips=1: the spike records
+    SKIP_LIMIT, and neither it nor any later step may move the parameters. (The
+    wrapper read the previous step's kind, BACKOFF, and applied the spike.)"""
+    values = [1.0, 1.5, 1.0, 1.5, float("inf"), 1000.0, 1.0, 1.0]
+    applied = _optax_applied(2, 1, values)
+    assert applied == [True, True, True, True, False, False, False, False]
+
+
+_NORMS = st.sampled_from([1.0, 1.5, 2.0, 1000.0, float("inf")])
+
+
+@given(
+    window=st.sampled_from([2, 3]),
+    limit=st.sampled_from([1, 2, 3]),
+    values=st.lists(_NORMS, min_size=1, max_size=14),
+)
+@settings(max_examples=60, deadline=None)
+def test_optax_facade_and_host_transition_skip_the_same_steps(
+    window: int, limit: int, values: list[float]
+) -> None:
+    """The optax wrapper applies exactly the steps the facade lets through and the
+    host transition classifies as not skipped; from a refused step on, nothing."""
+    config, _, _ = _spiky_step(window, limit)
+    optax_applied = _optax_applied(window, limit, values)
+    host, facade = [], []
+    state = sc.init(config)
+    scaler = sc.GradScaler(config, backend="numpy")
+    refused = None
+    for i, v in enumerate(values):
+        found = v == float("inf")
+        host.append(not sc.classify(state, found, v).skipped)
+        grads = [np.asarray([v * scaler.scale], np.float32)]
+        scaler.unscale_and_norm(grads)
+        facade.append(not scaler.should_skip_step())
+        try:
+            state = sc.update(state, found, grad_norm=v)
+            scaler.update()
+        except sc.SkipLimitError:
+            refused = i
+            break
+    n = len(host)
+    assert optax_applied[:n] == host == facade, (values, optax_applied)
+    if refused is not None:
+        assert not any(optax_applied[refused:]), (values, optax_applied)

@@ -243,3 +243,149 @@ def test_keras_preset_equals_loss_scale_optimizer() -> None:
         broken += any(not FLT_MIN <= x <= FLT_MAX for x in got)
     # The cases must reach Keras's unchecked growth to inf and decay to 0.
     assert broken >= 2, "too few cases reach the float32 limits; widen the cases"
+
+
+# ------------------------------------------------------------- flax's gradients
+_FLAX_GRADS: dict[str, Any] = {}
+
+
+def _flax_unscale(scaled: Any, scale: float) -> tuple[Any, bool]:
+    """``DynamicScale.value_and_grad``'s gradient and ``finite`` when backpropagation
+    produces exactly ``scaled`` (a custom VJP injects it), at ``scale``."""
+    jax = pytest.importorskip("jax", reason="flax is an optional oracle")
+    pytest.importorskip("flax", reason="flax is an optional oracle")
+    import jax.numpy as jnp
+    from flax.training.dynamic_scale import DynamicScale
+
+    if "run" not in _FLAX_GRADS:
+
+        @jax.custom_vjp
+        def inject(p: Any, g: Any) -> Any:
+            return jnp.sum(p, dtype=jnp.float32)
+
+        def fwd(p: Any, g: Any) -> Any:
+            return inject(p, g), g
+
+        def bwd(g: Any, _: Any) -> Any:
+            return g, jnp.zeros_like(g)  # the gradient is g, whatever the scale
+
+        inject.defvjp(fwd, bwd)
+
+        def run(s: Any, g: Any) -> Any:
+            ds = DynamicScale(scale=s)
+            _, finite, _, grad = ds.value_and_grad(inject)(jnp.zeros_like(g), g)
+            return grad, finite
+
+        _FLAX_GRADS["run"] = jax.jit(run)
+    grad, finite = _FLAX_GRADS["run"](jnp.float32(scale), scaled)
+    return grad, bool(finite)
+
+
+def _our_unscale(scaled: Any, scale: float) -> tuple[np.ndarray, bool]:
+    out, found = sc.unscale({"g": scaled}, scale)
+    return np.asarray(out["g"]), bool(found)
+
+
+def _bits(a: Any) -> bytes:
+    return np.asarray(a).tobytes()
+
+
+@given(
+    dtype=st.sampled_from(["float16", "bfloat16", "float32"]),
+    scale=st.one_of(st.integers(-12, 40).map(lambda e: 2.0**e), scales(max_value=2.0**60)),
+    seed=st.integers(0, 2**32 - 1),
+    bad=st.sampled_from([None, "inf", "nan", "huge"]),
+)
+@settings(max_examples=40, deadline=None)
+def test_flax_gradients_are_ours_in_float32_and_ours_are_theirs_rounded(
+    dtype: str, scale: float, seed: int, bad: str | None
+) -> None:
+    """The differences PRESETS['flax'] states are the only ones. Unscaling the
+    gradients cast to float32 gives flax's gradients and flag bit for bit, at every
+    scale; unscaling them in their own dtype gives flax's rounded to that dtype,
+    and the flag checks that rounded value."""
+    import jax.numpy as jnp
+
+    rng = np.random.default_rng(seed)
+    # Magnitudes from far below float16's subnormals to above its largest value.
+    values = rng.standard_normal(256) * 2.0 ** rng.integers(-30, 20, 256).astype(np.float64)
+    if bad == "inf":
+        values[7] = np.inf
+    elif bad == "nan":
+        values[7] = np.nan
+    elif bad == "huge":
+        values[7] = 60000.0
+    scaled = jnp.asarray(values.astype(np.float32)).astype(dtype)  # what backward gave
+    theirs, finite = _flax_unscale(scaled, scale)
+    assert theirs.dtype == jnp.float32  # flax returns float32 whatever the dtype
+    as_f32, found32 = _our_unscale(scaled.astype(jnp.float32), scale)
+    assert _bits(as_f32) == _bits(theirs)
+    assert found32 is not finite
+    native, found = _our_unscale(scaled, scale)
+    assert native.dtype == np.dtype(scaled.dtype)
+    rounded = theirs.astype(dtype)
+    assert _bits(native) == _bits(rounded)
+    assert found is not bool(jnp.all(jnp.isfinite(rounded)))
+
+
+def test_flax_divides_and_xla_multiplies_by_the_rounded_inverse() -> None:
+    """flax's source divides by the scale; XLA compiles a division by a scalar into
+    a multiply by its reciprocal, which is our f32(1/f64(scale)): equal at scales
+    where a true division differs by one ulp (flax's clamp at float32 max leaves
+    such a scale)."""
+    import jax.numpy as jnp
+
+    for scale in (3.0, 65536.0 * 1.5, FLT_MAX):
+        g = np.linspace(1.0, 2.0, 4096, dtype=np.float32) * np.float32(min(scale, 2.0**100))
+        theirs, _ = _flax_unscale(jnp.asarray(g), scale)
+        ours, _ = _our_unscale(jnp.asarray(g), scale)
+        assert _bits(ours) == _bits(theirs), scale
+        if scale != FLT_MAX:  # (at FLT_MAX both flush every quotient to 0)
+            assert _bits(g / np.float32(scale)) != _bits(theirs), scale
+
+
+def test_flax_preset_states_the_gradient_differences() -> None:
+    """PRESETS['flax'] said it differed in nothing; its gradients' dtype does."""
+    text = sc.PRESETS["flax"].differences
+    for claim in ("divides", "f32(1/f64(scale))", "float32", "float16", "float64"):
+        assert claim in text, claim
+
+
+_FLAX_X64 = textwrap.dedent(
+    """
+    import jax, numpy as np
+    jax.config.update("jax_enable_x64", True)
+    import jax.numpy as jnp
+    from flax.training.dynamic_scale import DynamicScale
+    import scaler_core as sc
+
+    g = np.random.default_rng(0).standard_normal(1000)
+    _, _, _, theirs = DynamicScale(scale=jnp.float32(1024.0)).value_and_grad(
+        lambda p: jnp.sum(p * jnp.asarray(g)))(jnp.zeros(1000))
+    scaled = jnp.asarray(g) * 1024.0  # what flax's backward pass gave (exact)
+    ours, _ = sc.unscale({"g": scaled}, 1024.0)
+    ours32, _ = sc.unscale({"g": scaled.astype(jnp.float32)}, 1024.0)
+    assert theirs.dtype == jnp.float32 and ours["g"].dtype == jnp.float64
+    assert np.asarray(ours32["g"]).tobytes() == np.asarray(theirs).tobytes()
+    assert np.array_equal(np.asarray(ours["g"]), g)
+    print("OK")
+    """
+)
+
+
+def test_flax_casts_float64_gradients_to_float32_and_we_keep_them() -> None:
+    """With jax_enable_x64 (a subprocess: the flag is global), flax's gradients of a
+    float64 model are float32; ours stay float64, and cast first they are flax's."""
+    if importlib.util.find_spec("flax") is None:
+        pytest.skip("flax is an optional oracle")
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    proc = subprocess.run(
+        [sys.executable, "-c", _FLAX_X64],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.strip() == "OK"

@@ -1,0 +1,166 @@
+"""The drop-in at its seams with PyTorch: ``torch.compile``, setters, ``update(new_scale)``,
+``state_dict`` in both directions, and a failure recorded on the device.
+
+Each test runs the same calls on ``torch.amp.GradScaler`` (the oracle) where PyTorch
+defines the behaviour, and compares.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import pytest
+
+torch = pytest.importorskip("torch", reason="the torch integration needs PyTorch")
+
+from scaler_core.torch import GradScaler  # noqa: E402
+
+pytestmark = pytest.mark.torch
+
+
+def _model(seed: int = 0) -> tuple[Any, Any]:
+    torch.manual_seed(seed)
+    model = torch.nn.Linear(4, 2)
+    return model, torch.optim.SGD(model.parameters(), lr=0.1)
+
+
+def _bits(model: Any) -> list[Any]:
+    return [p.detach().clone().view(torch.int32) for p in model.parameters()]
+
+
+# ------------------------------------------------------------------ torch.compile
+def _loop(model: Any, opt: Any, scaler: Any, x: Any, clip: bool) -> Any:
+    """The documented loop; ``x`` holding inf makes an overflow step."""
+    opt.zero_grad()
+    loss = model(x).pow(2).sum()
+    scaler.scale(loss).backward()
+    if clip and isinstance(scaler, GradScaler):
+        scaler.unscale_and_clip_(opt, 0.5)
+    else:
+        scaler.unscale_(opt)
+        if clip:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+    scaler.step(opt)
+    scaler.update()
+    return loss.detach()
+
+
+def _inputs(steps: int) -> list[Any]:
+    gen = torch.Generator().manual_seed(1)
+    xs = [torch.randn(3, 4, generator=gen) for _ in range(steps)]
+    xs[2] = xs[2].clone()
+    xs[2][0, 0] = float("inf")  # an overflow step: skipped, the scale backs off
+    return xs
+
+
+def _train(cls: Any, clip: bool, compiled: bool, steps: int = 6) -> tuple[list[Any], list[float]]:
+    model, opt = _model()
+    scaler = cls("cpu", init_scale=2.0**10, growth_interval=2)
+    step = torch.compile(_loop, backend="eager") if compiled else _loop
+    scales = []
+    for x in _inputs(steps):
+        step(model, opt, scaler, x, clip)
+        scales.append(scaler.get_scale())
+    return _bits(model), scales
+
+
+def dynamo_warns(test: Any) -> Any:
+    """Warnings Dynamo's own tracing raises (of the loss's ``.grad``, of torch.jit inside
+    an optimizer), with PyTorch's class as with this one."""
+    for message in (
+        "ignore:The .grad attribute of a Tensor that is not a leaf:UserWarning",
+        "ignore:`torch.jit.script_method` is deprecated:DeprecationWarning",
+    ):
+        test = pytest.mark.filterwarnings(message)(test)
+    return test
+
+
+@pytest.fixture
+def fresh_dynamo() -> Any:
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    yield torch._dynamo
+    torch._dynamo.reset()
+
+
+@dynamo_warns
+@pytest.mark.parametrize("clip", [False, True], ids=["unscale_", "unscale_and_clip_"])
+def test_a_compiled_step_trains_as_the_eager_one_bit_for_bit(clip: bool, fresh_dynamo: Any) -> None:
+    """Dynamo traced the drop-in's methods (a third-party module) and lost
+    ``unscale_and_clip_``'s record: ``step`` unscaled the clipped gradients again."""
+    eager_params, eager_scales = _train(GradScaler, clip, compiled=False)
+    params, scales = _train(GradScaler, clip, compiled=True)
+    assert scales == eager_scales
+    assert len(set(scales)) > 1  # it grew and backed off
+    for a, b in zip(params, eager_params, strict=True):
+        assert torch.equal(a, b)
+    if not clip:  # and as PyTorch's class trains, compiled or not
+        theirs, their_scales = _train(torch.amp.GradScaler, clip, compiled=True)
+        assert their_scales == scales
+        for a, b in zip(params, theirs, strict=True):
+            assert torch.equal(a, b)
+
+
+@dynamo_warns
+@pytest.mark.parametrize("clip", [False, True], ids=["unscale_", "unscale_and_clip_"])
+def test_a_compiled_loop_breaks_the_graph_no_more_often_than_pytorchs(
+    clip: bool, fresh_dynamo: Any
+) -> None:
+    counts = {}
+    for cls in (torch.amp.GradScaler, GradScaler):
+        fresh_dynamo.reset()
+        model, opt = _model()
+        scaler = cls("cpu", init_scale=2.0**10)
+        explained = fresh_dynamo.explain(_loop)(model, opt, scaler, torch.ones(3, 4), clip)
+        counts[cls] = explained.graph_break_count
+    assert counts[GradScaler] <= counts[torch.amp.GradScaler], counts
+
+
+def _every_reader(scaler: GradScaler, opt: Any) -> tuple[Any, ...]:
+    saved = scaler.state_dict()
+    return (
+        scaler.get_scale(),
+        scaler.get_growth_factor(),
+        scaler.get_backoff_factor(),
+        scaler.get_growth_interval(),
+        scaler._get_growth_tracker(),
+        scaler.is_enabled(),
+        scaler.state,
+        scaler.config,
+        scaler.stepped(opt),
+        None if scaler.grad_norm is None else scaler.grad_norm.clone().view(torch.int32),
+        saved,
+    )
+
+
+@dynamo_warns
+def test_every_method_gives_the_eager_result_when_compiled(fresh_dynamo: Any) -> None:
+    def session(compiled: bool) -> list[Any]:
+        model, opt = _model()
+        scaler = GradScaler("cpu", init_scale=2.0**10, growth_interval=3)
+
+        def body(x: Any, phase: int) -> Any:
+            out = []
+            if phase == 1:
+                scaler.set_growth_factor(4.0)
+                scaler.set_backoff_factor(0.25)
+                scaler.set_growth_interval(2)
+            opt.zero_grad()
+            scaler.scale(model(x).pow(2).sum()).backward()
+            out.append(scaler.unscale_and_clip_(opt, 0.5).clone().view(torch.int32))
+            scaler.step(opt)
+            scaler.update(2.0**12 if phase == 3 else None)
+            out.append(_every_reader(scaler, opt))
+            if phase == 4:
+                scaler.load_state_dict(copy.deepcopy(out[-1][-1]))
+                scaler.abandon_step()
+            return out
+
+        run = torch.compile(body, backend="eager") if compiled else body
+        results = [run(x, i) for i, x in enumerate(_inputs(6))]
+        return [results, _bits(model)]
+
+    eager, compiled = session(False), session(True)
+    assert repr(compiled) == repr(eager)

@@ -503,7 +503,8 @@ class GradScaler(torch.amp.GradScaler):
     def _host_state(self) -> ScalerState:
         """The state of a CPU scaler: the copy kept at the last update, while the two
         tensors PyTorch exposes (``_scale``, ``_growth_tracker``) still hold its values
-        (code that writes them directly is seen), else read from the tensors."""
+        (code that writes them directly is seen), else read from the tensors. The
+        config is always the current one: a setter called since then has changed it."""
         mirror = self._mirror
         scale, tracker = cast(torch.Tensor, self._scale), cast(torch.Tensor, self._growth_tracker)
         if (
@@ -511,7 +512,8 @@ class GradScaler(torch.amp.GradScaler):
             and scale.item() == mirror.scale
             and tracker.item() == mirror.growth_tracker
         ):
-            return mirror
+            config = self._enabled_config()
+            return mirror if mirror.config is config else dataclasses.replace(mirror, config=config)
         return self._device_state().to_host()
 
     def _new_scale(self, new_scale: float | torch.Tensor) -> float | torch.Tensor:

@@ -11,6 +11,8 @@ import copy
 from typing import Any
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 torch = pytest.importorskip("torch", reason="the torch integration needs PyTorch")
 
@@ -164,3 +166,56 @@ def test_every_method_gives_the_eager_result_when_compiled(fresh_dynamo: Any) ->
 
     eager, compiled = session(False), session(True)
     assert repr(compiled) == repr(eager)
+
+
+# ------------------------------------------------------------------------ setters
+def _run_step(scaler: Any, grad: float, before_update: Any = None) -> None:
+    """One iteration on a fresh parameter whose gradient is ``grad`` (inf: an overflow),
+    calling ``before_update(scaler)`` between ``step`` and ``update`` if given."""
+    param = torch.nn.Parameter(torch.ones(2))
+    opt = torch.optim.SGD([param], lr=0.1)
+    scaler.scale(param.sum()).backward()
+    param.grad = torch.full((2,), grad)
+    scaler.step(opt)
+    if before_update is not None:
+        before_update(scaler)
+    scaler.update()
+
+
+SETTERS = st.one_of(
+    st.tuples(st.just("set_growth_factor"), st.sampled_from([1.5, 2.0, 3.0, 1.1])),
+    st.tuples(st.just("set_backoff_factor"), st.sampled_from([0.25, 0.5, 0.9])),
+    st.tuples(st.just("set_growth_interval"), st.integers(1, 6)),
+)
+#: A step (True: an overflow, False: a clean one), a setter call between steps, or a
+#: step with a setter called between its ``step`` and ``update``.
+EVENTS = st.lists(
+    st.one_of(st.booleans(), SETTERS, st.tuples(st.booleans(), SETTERS)), min_size=1, max_size=40
+)
+
+
+def _apply(scaler: Any, event: Any) -> None:
+    if isinstance(event, bool):
+        _run_step(scaler, float("inf") if event else 1.0)
+    elif isinstance(event[0], bool):
+        name, value = event[1]
+        _run_step(scaler, float("inf") if event[0] else 1.0, lambda s: getattr(s, name)(value))
+    else:
+        getattr(scaler, event[0])(event[1])
+
+
+@settings(max_examples=60, deadline=None)
+@given(events=EVENTS)
+def test_setters_steer_the_scale_as_pytorchs_at_any_point(events: list[Any]) -> None:
+    """Setters after the first update were ignored by the next one (it worked from a copy
+    of the state whose config was the old one) while the getters showed the new value."""
+    theirs = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=3)
+    ours = GradScaler("cpu", init_scale=2.0**10, growth_interval=3)
+    for event in events:
+        _apply(theirs, event)
+        _apply(ours, event)
+        assert ours.get_scale() == theirs.get_scale(), events
+        assert ours._get_growth_tracker() == theirs._get_growth_tracker()
+        mine = {k: v for k, v in ours.state_dict().items() if k != "scaler_core"}
+        assert mine == theirs.state_dict()
+        assert ours.state.scale == theirs.get_scale()

@@ -29,6 +29,8 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import math
+import numbers
 from collections import defaultdict
 from typing import Any, TypeVar, cast
 
@@ -458,30 +460,53 @@ class GradScaler(torch.amp.GradScaler):
     def update(self, new_scale: float | torch.Tensor | None = None) -> None:
         """As PyTorch's, through scaler-core's transition (every config, fail-closed).
 
+        Without ``new_scale``: the step's found flags (OR-ed over the optimizers) drive
+        the config's rules, as PyTorch's kernel drives its own. With ``new_scale``: the
+        scale is set to it and nothing else changes (PyTorch's growth tracker stays;
+        so do this class's counters and ``last_kind``, since no rule ran). It takes what
+        PyTorch's takes (a float; a one-element tensor of any dtype on the scaler's
+        device type, without grad), and any other real number (an ``int``, a NumPy
+        float32), checked as the float32 value the scale would hold before anything
+        changes. A tensor on an accelerator is taken unread, as PyTorch takes it (a
+        read would synchronise). Either way ``on_step`` gets one report of the step,
+        and the step's norm and leaves are dropped.
+
         Raises:
             ScaleCollapseError: (CPU) The step would collapse the scale or hit a floor
                 set to raise; the scaler is left as it was, this step's checks kept
                 (see :meth:`abandon_step`). On an accelerator the refusal is recorded
                 and raised by the next host-side look.
             SkipLimitError: (CPU) More consecutive skips than the config allows.
+            InvalidArgumentError: ``new_scale`` is no scale (not a real number or a
+                tensor; 0, negative, NaN, inf or subnormal as a float32), lies outside
+                the config's ``[min_scale, max_scale]``, or differs from a static
+                config's scale; nothing has changed.
         """
         if not self._enabled:
             return
         _scale, _growth_tracker = self._check_scale_growth_tracker("update")
-        if new_scale is not None:
-            super().update(self._new_scale(new_scale))
-            return
         found_infs = [
             found_inf
             for state in self._per_optimizer_states.values()
             for found_inf in state["found_inf_per_device"].values()
         ]
+        if new_scale is not None:
+            value = self._new_scale(new_scale)  # checked before anything changes
+            flag = self._step_flag(found_infs, _scale)
+            current = self._host_state() if self._host_route() else None
+            super().update(value)
+            if current is None:
+                new = self._device_state()
+            else:
+                new = dataclasses.replace(current, scale=cast(float, _scale.item()))
+                self._mirror = new
+            self._end_step(new, flag)
+            return
         if len(found_infs) == 0:
             raise AssertionError("No inf checks were recorded prior to update.")  # PyTorch's error
-        flag: Any
-        if _scale.device.type == "cpu":  # host values cost nothing to read here
+        flag = self._step_flag(found_infs, _scale)
+        if self._host_route():  # host values cost nothing to read here
             current = self._host_state()
-            flag = any(f.item() for f in found_infs)
             new = host_update(current, flag)
             for name in DATA_FIELDS:
                 value = getattr(new, name)
@@ -489,11 +514,27 @@ class GradScaler(torch.amp.GradScaler):
                     self._field(name).fill_(value)
             self._mirror = new
         else:
-            flag = torch.stack([f.to(_scale.device, non_blocking=True) for f in found_infs])
-            flag = flag.sum() > 0
             new = device_update(TorchNamespace(_scale.device), self._device_state(), flag)
             for name in DATA_FIELDS:
                 self._field(name).copy_(getattr(new, name))
+        self._end_step(new, flag)
+
+    def _host_route(self) -> bool:
+        """Whether the scale lives on the CPU, where its values are read and the rules
+        run on the host (raising on a failing step); elsewhere they run on the device
+        and a failure is recorded there. The one place the route is decided."""
+        return cast(torch.Tensor, self._scale).device.type == "cpu"
+
+    def _step_flag(self, found_infs: list[torch.Tensor], scale: torch.Tensor) -> Any:
+        """The step's found flag: a bool on the host route, a device bool otherwise."""
+        if self._host_route():
+            return any(bool(f.item()) for f in found_infs)
+        if not found_infs:
+            return torch.zeros((), dtype=torch.bool, device=scale.device)
+        return torch.stack([f.to(scale.device, non_blocking=True) for f in found_infs]).sum() > 0
+
+    def _end_step(self, new: ScalerState, flag: Any) -> None:
+        """Clear the step's records (as PyTorch does) and report it once."""
         self._per_optimizer_states = defaultdict(_refresh_per_optimizer_state)
         norm, self._norm = self._norm, None
         leaves, self._leaves = tuple(self._leaves), []
@@ -516,23 +557,55 @@ class GradScaler(torch.amp.GradScaler):
             return mirror if mirror.config is config else dataclasses.replace(mirror, config=config)
         return self._device_state().to_host()
 
-    def _new_scale(self, new_scale: float | torch.Tensor) -> float | torch.Tensor:
-        """``new_scale`` checked as far as the host can see it: a positive normal float32
-        (a tensor on an accelerator is taken as PyTorch takes it, unread)."""
+    def _new_scale(self, new_scale: object) -> float | torch.Tensor:
+        """``new_scale`` checked as far as the host can see it, as what to fill the scale
+        with: PyTorch's checks of a tensor first (its messages), then the float32 value
+        the scale would hold, against every scale's rule and the config's bounds."""
         if isinstance(new_scale, torch.Tensor):
-            if new_scale.device.type != "cpu" or new_scale.numel() != 1:
-                return new_scale  # PyTorch's own checks answer
-            value: Any = new_scale.item()
-        elif isinstance(new_scale, int) and not isinstance(new_scale, bool):
-            value = new_scale = float(new_scale)
+            reason = (  # PyTorch's error
+                "new_scale should be a float or a 1-element torch.cuda.FloatTensor or "
+                "torch.FloatTensor with requires_grad=False."
+            )
+            if new_scale.device.type != self._device:
+                raise AssertionError(reason)
+            if new_scale.numel() != 1:
+                raise AssertionError(reason)
+            if new_scale.requires_grad is True:
+                raise AssertionError(reason)
+            if new_scale.device.type != "cpu":
+                return new_scale  # read, it would synchronise: taken as PyTorch takes it
+            # The value PyTorch's copy_ would store (and its error for a bad shape).
+            held = torch.empty((), dtype=torch.float32).copy_(new_scale).item()
+            fill: float | torch.Tensor = new_scale
+        elif isinstance(new_scale, numbers.Real) and not isinstance(new_scale, bool):
+            fill = float(new_scale)
+            held = f32(fill) if math.isfinite(fill) else fill
         else:
-            value = new_scale
-        if not isinstance(value, float) or not is_normal_f32(value):
             raise InvalidArgumentError(
-                f"new_scale={value!r}, but it must be a positive, finite, normal float32 "
+                f"new_scale={new_scale!r}, but it must be a float, an int or a one-element "
+                f"tensor holding a positive, finite, normal float32 value; pass a float such "
+                f"as 1024.0"
+            )
+        shown = f"{new_scale!r}" + ("" if held == new_scale else f" (float32: {held!r})")
+        if not is_normal_f32(held):
+            raise InvalidArgumentError(
+                f"new_scale={shown}, but it must be a positive, finite, normal float32 "
                 f"value (as every scale); pass a float such as 1024.0"
             )
-        return new_scale
+        config = self._enabled_config()
+        low, high = config.min_scale, config.max_scale
+        if (low is not None and held < low) or (high is not None and held > high):
+            raise InvalidArgumentError(
+                f"new_scale={shown}, but it must lie within this scaler's config bounds "
+                f"[min_scale={low!r}, max_scale={high!r}]; pass a scale in that range"
+            )
+        if not config.dynamic and held != config.init_scale:
+            raise InvalidArgumentError(
+                f"new_scale={shown}, but this scaler's config is static (its scale stays "
+                f"init_scale={config.init_scale!r}); pass {config.init_scale!r}, or use a "
+                f"dynamic config"
+            )
+        return fill
 
     def _field(self, name: str) -> torch.Tensor:
         if name == "scale":

@@ -15,7 +15,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 torch = pytest.importorskip("torch", reason="the torch integration needs PyTorch")
+np = pytest.importorskip("numpy")
 
+import scaler_core as sc  # noqa: E402
 from scaler_core.torch import GradScaler  # noqa: E402
 
 pytestmark = pytest.mark.torch
@@ -219,3 +221,130 @@ def test_setters_steer_the_scale_as_pytorchs_at_any_point(events: list[Any]) -> 
         mine = {k: v for k, v in ours.state_dict().items() if k != "scaler_core"}
         assert mine == theirs.state_dict()
         assert ours.state.scale == theirs.get_scale()
+
+
+# ---------------------------------------------------------------- update(new_scale)
+def _outcome(fn: Any) -> tuple[str, str]:
+    """What a call does: ('ok', '') or (error class, message)."""
+    try:
+        fn()
+    except Exception as exc:
+        return type(exc).__name__, str(exc)
+    return "ok", ""
+
+
+def _stepped(cls: Any, **kwargs: Any) -> tuple[Any, Any, Any]:
+    if "config" not in kwargs:
+        kwargs.setdefault("init_scale", 8.0)
+    scaler, (model, opt) = cls("cpu", **kwargs), _model()
+    scaler.scale(model(torch.ones(3, 4)).pow(2).sum()).backward()
+    scaler.step(opt)
+    return scaler, model, opt
+
+
+NEW_SCALES = {
+    "int tensor": lambda: torch.tensor(1024),
+    "float64 tensor": lambda: torch.tensor(0.1, dtype=torch.float64),
+    "float16 tensor": lambda: torch.tensor(3.5, dtype=torch.float16),
+    "bool tensor": lambda: torch.tensor(True),
+    "1-element 1-d tensor": lambda: torch.tensor([8.0]),
+    "2 elements": lambda: torch.tensor([8.0, 8.0]),
+    "requires grad": lambda: torch.tensor(8.0, requires_grad=True),
+    "float": lambda: 1024.0,
+    "float32-rounded float": lambda: 0.1,
+    "numpy float64": lambda: np.float64(512.0),
+}
+
+
+@pytest.mark.parametrize("make", NEW_SCALES.values(), ids=NEW_SCALES.keys())
+def test_update_takes_every_new_scale_pytorchs_takes(make: Any) -> None:
+    """An int tensor (``torch.tensor(1024)``) was refused; PyTorch's class takes it."""
+    results = []
+    for cls in (torch.amp.GradScaler, GradScaler):
+        scaler, _, _ = _stepped(cls)
+        outcome = _outcome(lambda scaler=scaler: scaler.update(make()))
+        results.append((outcome, scaler.get_scale(), scaler._get_growth_tracker()))
+    assert results[1] == results[0]
+
+
+@pytest.mark.parametrize(
+    "value", [np.float32(1024.0), 1024, np.int64(64), torch.tensor(2**20, dtype=torch.int64)]
+)
+def test_update_takes_any_real_number_as_a_new_scale(value: Any) -> None:
+    """Where PyTorch's class fails on a NumPy float32 or an int (it reads ``.device``)."""
+    scaler, _, _ = _stepped(GradScaler)
+    scaler.update(value)
+    assert scaler.get_scale() == float(value)
+    assert scaler.state.scale == float(value)
+
+
+NOT_A_SCALE = [
+    0.0,
+    -2.0,
+    float("inf"),
+    float("nan"),
+    1e-45,  # a float32 subnormal
+    1e39,  # above float32's max
+    "8",
+    True,
+    np.float32(0.0),
+    np.array(8.0),
+    torch.tensor(0),
+    torch.tensor(float("nan")),
+    torch.tensor(1e-45),
+    torch.tensor(1e39, dtype=torch.float64),
+    torch.tensor(-3.0),
+]
+
+
+@pytest.mark.parametrize("bad", NOT_A_SCALE, ids=repr)
+def test_a_new_scale_that_is_no_scale_is_refused_before_anything_changes(bad: Any) -> None:
+    log: list[Any] = []
+    scaler, _, _ = _stepped(GradScaler, on_step=log.append)
+    before = scaler.state
+    with pytest.raises(sc.InvalidArgumentError, match=r"new_scale=.*, but it must be .*; pass"):
+        scaler.update(bad)
+    assert scaler.state == before
+    assert log == []
+    scaler.update()  # the step's checks are still there: the automatic update runs
+    assert len(log) == 1
+
+
+def test_a_new_scale_outside_the_configs_bounds_is_refused() -> None:
+    config = sc.ScalerConfig(init_scale=8.0, min_scale=1.0, max_scale=2.0**10)
+    scaler, _, _ = _stepped(GradScaler, config=config)
+    for bad in (0.5, 2.0**11):
+        with pytest.raises(sc.InvalidArgumentError, match=r"new_scale=.*min_scale"):
+            scaler.update(bad)
+    scaler, _, _ = _stepped(GradScaler, config=sc.ScalerConfig.static(8.0))
+    with pytest.raises(sc.InvalidArgumentError, match=r"new_scale=16\.0.*static"):
+        scaler.update(16.0)
+    scaler.update(8.0)  # the static scale itself is a scale
+    assert scaler.get_scale() == 8.0
+
+
+def test_update_with_a_new_scale_reports_the_step_and_clears_its_norm_and_leaves() -> None:
+    """It called no ``on_step``, and the next clean step reported this step's NaN norm
+    and leaf."""
+    log: list[Any] = []
+    scaler = GradScaler("cpu", init_scale=8.0, on_step=log.append, report_leaves=True)
+    model, opt = _model()
+    scaler.scale(model(torch.ones(3, 4)).pow(2).sum()).backward()
+    model.weight.grad[0, 0] = float("nan")
+    scaler.unscale_and_clip_(opt, 1.0)
+    scaler.step(opt)
+    scaler.update(torch.tensor(1024))
+    assert len(log) == 1
+    report = log[0]
+    assert bool(report.found)
+    assert report.scale == 1024.0
+    assert report.grad_norm is not None
+    assert report.leaves
+    assert report.state == scaler.state
+    assert scaler.grad_norm is None
+    opt.zero_grad()
+    scaler.scale(model(torch.ones(3, 4)).pow(2).sum()).backward()
+    scaler.step(opt)
+    scaler.update()
+    assert len(log) == 2
+    assert (log[1].grad_norm, log[1].leaves, bool(log[1].found)) == (None, (), False)

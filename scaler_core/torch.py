@@ -42,7 +42,7 @@ from ._errors import InvalidArgumentError
 from ._f32 import f32, is_normal_f32
 from ._lifecycle import StepReport
 from ._report import LeafReport, non_finite_leaves
-from ._serialize import from_dict, from_torch_state_dict, to_dict
+from ._serialize import from_dict, from_torch_state_dict, to_dict, with_torch_entries
 from ._state import DATA_FIELDS, FLOAT_FIELDS, ScalerState, device_update, host_update, init
 from .backends._torch import BACKEND as _TORCH
 from .backends._torch import TorchNamespace, check_for_fused, unscale_buckets
@@ -662,11 +662,19 @@ class GradScaler(torch.amp.GradScaler):
         """Load a dict this class or ``torch.amp.GradScaler`` saved, validated first.
 
         A dict PyTorch saved keeps this scaler's policy knobs beyond PyTorch's
-        (floors, hysteresis, ...); one saved by this class restores them all.
+        (floors, hysteresis, ...); one saved by this class restores them all. The
+        rule where both are present: **PyTorch's five entries win**. ``scale``,
+        ``growth_factor``, ``backoff_factor``, ``growth_interval`` and
+        ``_growth_tracker`` are loaded as PyTorch's class loads them (so editing one
+        takes effect here as there), validated against the saved config (its bounds,
+        a static scale); the ``"scaler_core"`` payload supplies every other field
+        (the config's other knobs, hysteresis, skip counters). An unedited dict
+        restores the saved state exactly.
 
         Raises:
             RuntimeError: The dict is empty (as PyTorch raises).
-            InvalidStateError: It is malformed; nothing is loaded.
+            InvalidStateError: It is malformed, or an entry is out of range (named by
+                its key); nothing is loaded.
             InvalidArgumentError: Its config has spike skipping on (see
                 ``spike_threshold``); nothing is loaded.
         """
@@ -678,8 +686,9 @@ class GradScaler(torch.amp.GradScaler):
                 "from a disabled instance of GradScaler."
             )
         payload = state_dict.get(STATE_KEY)
-        if payload is not None:
-            loaded = from_dict(payload)
+        if payload is not None:  # PyTorch's five entries win; the payload gives the rest
+            entries = {key: value for key, value in state_dict.items() if key != STATE_KEY}
+            loaded = with_torch_entries(from_dict(payload), entries)
         else:  # PyTorch's five keys; the other knobs stay this scaler's
             loaded = from_torch_state_dict(dict(state_dict), self._enabled_config())
         self._apply(loaded)

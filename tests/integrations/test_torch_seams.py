@@ -348,3 +348,113 @@ def test_update_with_a_new_scale_reports_the_step_and_clears_its_norm_and_leaves
     scaler.update()
     assert len(log) == 2
     assert (log[1].grad_norm, log[1].leaves, bool(log[1].found)) == (None, (), False)
+
+
+# --------------------------------------------------------------------- state_dict
+def _torch_part(saved: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in saved.items() if k != "scaler_core"}
+
+
+def _lockstep(scalers: list[Any], grads: list[float]) -> None:
+    """Step every scaler alike and check they agree (the first is PyTorch's)."""
+    for grad in grads:
+        for scaler in scalers:
+            _run_step(scaler, grad)
+        first = scalers[0]
+        for other in scalers[1:]:
+            assert other.get_scale() == first.get_scale(), grads
+            assert other._get_growth_tracker() == first._get_growth_tracker()
+            assert _torch_part(other.state_dict()) == first.state_dict()
+
+
+CLEAN, INF = 1.0, float("inf")
+
+
+def test_a_tracker_past_a_shortened_interval_follows_pytorch_and_round_trips() -> None:
+    """After set_growth_interval(3) at a tracker of 5 (PyTorch allows it), the drop-in's
+    own state_dict() could not be loaded back: growth_tracker >= growth_interval."""
+    theirs = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=10)
+    ours = GradScaler("cpu", init_scale=2.0**10, growth_interval=10)
+    _lockstep([theirs, ours], [CLEAN] * 5)
+    for scaler in (theirs, ours):
+        scaler.set_growth_interval(3)
+    assert ours._get_growth_tracker() == 5
+    saved, their_saved = ours.state_dict(), theirs.state_dict()
+    assert sc.from_dict(sc.to_dict(ours.state)) == ours.state
+    reloaded, from_theirs = GradScaler("cpu"), GradScaler("cpu")
+    reloaded.load_state_dict(copy.deepcopy(saved))
+    from_theirs.load_state_dict(copy.deepcopy(their_saved))
+    into_theirs = torch.amp.GradScaler("cpu")
+    into_theirs.load_state_dict(copy.deepcopy(saved))
+    assert reloaded.state == ours.state
+    # PyTorch's kernel grows only when tracker + 1 == interval: from 5 it counts on
+    # until a backoff resets it; every scaler must do the same, bit for bit.
+    grads = [CLEAN] * 4 + [INF] + [CLEAN] * 7
+    _lockstep([theirs, ours, reloaded, from_theirs, into_theirs], grads)
+    assert theirs.get_scale() > 2.0**10  # it backed off, then grew twice
+
+
+@pytest.mark.parametrize("tracker", [-1, 2**31, 1.5, True, "5", float("nan")])
+def test_a_hostile_growth_tracker_is_still_refused(tracker: Any) -> None:
+    scaler = GradScaler("cpu", init_scale=4.0)
+    saved = scaler.state_dict()
+    payload = copy.deepcopy(saved["scaler_core"])
+    payload["state"]["growth_tracker"] = tracker
+    with pytest.raises(sc.InvalidStateError, match="growth_tracker"):
+        sc.from_dict(payload)
+    for edited in (
+        {**saved, "_growth_tracker": tracker},
+        {**_torch_part(saved), "_growth_tracker": tracker},
+    ):
+        with pytest.raises(sc.InvalidStateError, match="_growth_tracker"):
+            scaler.load_state_dict(edited)
+    assert scaler.state == sc.from_dict(saved["scaler_core"])
+
+
+EDITS = {
+    "scale": 256.0,
+    "growth_factor": 3.0,
+    "backoff_factor": 0.25,
+    "growth_interval": 4,
+    "_growth_tracker": 1,
+}
+
+
+@pytest.mark.parametrize("key", EDITS)
+def test_pytorchs_entries_win_over_the_scaler_core_payload(key: str) -> None:
+    """With the "scaler_core" key present, an edited PyTorch entry was ignored without a
+    word, while PyTorch's class loads it."""
+    source = GradScaler(
+        "cpu", config=sc.ScalerConfig(init_scale=2.0**10, growth_interval=6, min_scale=1.0)
+    )
+    _lockstep([source], [CLEAN, INF, CLEAN, CLEAN])
+    saved = source.state_dict()
+    edited = {**copy.deepcopy(saved), key: EDITS[key]}
+    theirs, ours = torch.amp.GradScaler("cpu"), GradScaler("cpu")
+    theirs.load_state_dict(edited)
+    ours.load_state_dict(edited)
+    assert _torch_part(ours.state_dict()) == theirs.state_dict() == _torch_part(edited)
+    # The payload supplies what PyTorch has no entry for.
+    assert ours.config.min_scale == 1.0
+    assert (ours.state.steps, ours.state.skipped_steps) == (4, 1)
+    _lockstep([theirs, ours], [CLEAN] * 5 + [INF] + [CLEAN] * 3)
+
+
+@pytest.mark.parametrize(
+    ("key", "bad"),
+    [
+        ("scale", -1.0),
+        ("scale", 0.5),
+        ("growth_interval", 0),
+        ("backoff_factor", 1.5),
+        ("growth_factor", "2"),
+    ],
+)
+def test_a_bad_pytorch_entry_beside_the_payload_loads_nothing(key: str, bad: Any) -> None:
+    source = GradScaler("cpu", config=sc.ScalerConfig(init_scale=2.0**10, min_scale=1.0))
+    saved = {**source.state_dict(), key: bad}
+    target = GradScaler("cpu", init_scale=8.0)
+    before = target.state
+    with pytest.raises(sc.InvalidStateError, match=rf"state_dict\['{key}'\]={bad!r}"):
+        target.load_state_dict(saved)
+    assert target.state == before

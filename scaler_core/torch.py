@@ -9,8 +9,9 @@ trains bit-identically to it with PyTorch's defaults. On top:
   floors, ceilings, hysteresis, skip limits;
 * fail-closed: a backoff that would leave the scale 0 or subnormal raises
   :class:`~scaler_core.ScaleCollapseError` (on an accelerator, it is recorded and
-  raised by the next ``get_scale()``, ``state`` or ``state_dict()``), where
-  PyTorch's scale goes silently subnormal;
+  raised by the next ``get_scale()``, ``state`` or ``state_dict()``, and every step
+  is skipped until a checkpoint is loaded), where PyTorch's scale goes silently
+  subnormal;
 * the overflow an unscale itself makes (a scale below 1) is found, which PyTorch's
   kernel does not check;
 * ``scaler.state``: the immutable state with its skip accounting; ``stepped(optimizer)``:
@@ -361,7 +362,20 @@ class GradScaler(torch.amp.GradScaler):
         return floor is None or floor < 1.0
 
     def _reduce(self, found: dict[torch.device, torch.Tensor]) -> None:
-        """OR the flags over the process group: one all-reduce (max) per device."""
+        """OR into each optimizer's found flags, in place, what forbids its step.
+
+        Every flag a step is decided from passes here (``unscale_``, a fused
+        optimizer's check, ``unscale_and_clip_``). On the device route, a failure
+        recorded by an earlier ``update`` (a collapse that could not raise there):
+        after it no step may move a parameter until the user deals with it (loads a
+        checkpoint); ORed on the device, with no synchronisation. Then the flags of
+        the other ranks of the process group: one all-reduce (max) per device.
+        """
+        if not self._host_route():  # the host route raises a failure, never records one
+            failed = cast(dict[str, torch.Tensor], self._extra)["failure"] != 0
+            for device, flag in found.items():
+                held = failed.to(device, dtype=flag.dtype, non_blocking=True)
+                torch.maximum(flag, held, out=flag)
         if self._process_group is None:
             return
         import torch.distributed as dist  # noqa: PLC0415 - only data-parallel users need it
@@ -475,7 +489,9 @@ class GradScaler(torch.amp.GradScaler):
             ScaleCollapseError: (CPU) The step would collapse the scale or hit a floor
                 set to raise; the scaler is left as it was, this step's checks kept
                 (see :meth:`abandon_step`). On an accelerator the refusal is recorded
-                and raised by the next host-side look.
+                and raised by the next host-side look, and every later ``step`` is
+                skipped (no parameter moves) until :meth:`load_state_dict` loads a
+                checkpoint.
             SkipLimitError: (CPU) More consecutive skips than the config allows.
             InvalidArgumentError: ``new_scale`` is no scale (not a real number or a
                 tensor; 0, negative, NaN, inf or subnormal as a float32), lies outside

@@ -458,3 +458,65 @@ def test_a_bad_pytorch_entry_beside_the_payload_loads_nothing(key: str, bad: Any
     with pytest.raises(sc.InvalidStateError, match=rf"state_dict\['{key}'\]={bad!r}"):
         target.load_state_dict(saved)
     assert target.state == before
+
+
+# --------------------------------------------------- a failure recorded on the device
+@pytest.fixture
+def device_route(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The route an accelerator takes (the rules on the device, a failure recorded, not
+    raised), driven with CPU tensors: ``_host_route`` is where the route is decided."""
+    monkeypatch.setattr(GradScaler, "_host_route", lambda self: False)
+
+
+class _Fused(torch.optim.SGD):
+    """An optimizer that unscales and skips in its own step, as fused ones do."""
+
+    _step_supports_amp_scaling = True
+
+    def step(self, closure: Any = None) -> Any:
+        if not self.found_inf.item():
+            inv = 1.0 if self.grad_scale is None else 1.0 / self.grad_scale.item()
+            with torch.no_grad():
+                for group in self.param_groups:
+                    for p in group["params"]:
+                        p.add_(p.grad, alpha=-group["lr"] * inv)
+
+
+@pytest.mark.parametrize("how", ["step", "unscale_", "unscale_and_clip_", "fused"])
+def test_after_a_recorded_failure_no_step_moves_a_parameter(device_route: None, how: str) -> None:
+    """On an accelerator a collapse is recorded instead of raised; the next clean
+    iteration's step() still ran the optimizer."""
+    config = sc.ScalerConfig(init_scale=2.0**-126, growth_interval=10)
+    scaler = GradScaler("cpu", config=config)
+    model, _ = _model()
+    cls = _Fused if how == "fused" else torch.optim.SGD
+    opt = cls(model.parameters(), lr=0.1)
+    checkpoint = scaler.state_dict()
+
+    def iteration(bad: bool) -> None:
+        opt.zero_grad()
+        scaler.scale(model(torch.ones(3, 4)).pow(2).sum()).backward()
+        if bad:
+            model.weight.grad[0, 0] = float("nan")
+        if how == "unscale_":
+            scaler.unscale_(opt)
+        elif how == "unscale_and_clip_":
+            scaler.unscale_and_clip_(opt, 1.0)
+        scaler.step(opt)
+        scaler.update()
+
+    iteration(bad=True)  # the backoff would collapse the scale: recorded, not raised
+    with pytest.raises(sc.ScaleCollapseError):
+        scaler.get_scale()
+    before = _bits(model)
+    for _ in range(2):
+        iteration(bad=False)
+        assert not scaler.stepped(opt)
+        for a, b in zip(_bits(model), before, strict=True):
+            assert torch.equal(a, b)
+    with pytest.raises(sc.ScaleCollapseError):
+        _ = scaler.state
+    scaler.load_state_dict(checkpoint)  # dealt with: the steps run again
+    iteration(bad=False)
+    assert scaler.stepped(opt)
+    assert any(not torch.equal(a, b) for a, b in zip(_bits(model), before, strict=True))

@@ -594,7 +594,10 @@ class GradScaler(torch.amp.GradScaler):
             held = torch.empty((), dtype=torch.float32).copy_(new_scale).item()
             fill: float | torch.Tensor = new_scale
         elif isinstance(new_scale, numbers.Real) and not isinstance(new_scale, bool):
-            fill = float(new_scale)
+            try:
+                fill = float(new_scale)
+            except OverflowError:  # an int no float holds: no scale either
+                fill = math.inf
             held = f32(fill) if math.isfinite(fill) else fill
         else:
             raise InvalidArgumentError(
@@ -602,7 +605,8 @@ class GradScaler(torch.amp.GradScaler):
                 f"tensor holding a positive, finite, normal float32 value; pass a float such "
                 f"as 1024.0"
             )
-        shown = f"{new_scale!r}" + ("" if held == new_scale else f" (float32: {held!r})")
+        exact = not isinstance(new_scale, torch.Tensor) and held == new_scale
+        shown = repr(new_scale) if exact else f"{new_scale!r} (float32: {held!r})"
         if not is_normal_f32(held):
             raise InvalidArgumentError(
                 f"new_scale={shown}, but it must be a positive, finite, normal float32 "

@@ -285,6 +285,7 @@ NOT_A_SCALE = [
     float("nan"),
     1e-45,  # a float32 subnormal
     1e39,  # above float32's max
+    10**400,  # above any float's
     "8",
     True,
     np.float32(0.0),

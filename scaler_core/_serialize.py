@@ -25,6 +25,7 @@ __all__ = [
     "from_torch_state_dict",
     "to_dict",
     "to_torch_state_dict",
+    "with_torch_entries",
 ]
 
 SCHEMA = "scaler_core.state"
@@ -119,6 +120,15 @@ def _scale_field(where: str, value: object, config: ScalerConfig) -> float:
     return scale
 
 
+def _tracker_field(where: str, value: object) -> int:
+    """A growth tracker: any int32 count >= 0. At or past ``growth_interval`` is a state
+    PyTorch reaches (``set_growth_interval`` below the tracker) and the rules follow
+    PyTorch from there (they grow only when ``tracker + 1 == growth_interval``, so it
+    counts on until a backoff): refused, it would make the drop-in's own
+    ``state_dict()`` unloadable."""
+    return _int_field(where, value, 0, INT32_MAX)
+
+
 def _stat_field(where: str, value: object, *, low: float) -> float:
     """A window statistic: exactly a float32, finite, 0 or normal (never subnormal: a
     device that flushes subnormals would read it as 0), and at least ``low``."""
@@ -181,9 +191,7 @@ def from_dict(data: Mapping[str, Any]) -> ScalerState:
         return f"checkpoint['state'][{key!r}]"
 
     scale = _scale_field(w("scale"), fields["scale"], config)
-    growth = _int_field(
-        w("growth_tracker"), fields["growth_tracker"], 0, config.growth_interval - 1
-    )
+    growth = _tracker_field(w("growth_tracker"), fields["growth_tracker"])
     hyst = _int_field(w("hysteresis_tracker"), fields["hysteresis_tracker"], 1, config.hysteresis)
     steps = _int_field(w("steps"), fields["steps"], 0, INT32_MAX)
     skipped = _int_field(w("skipped_steps"), fields["skipped_steps"], 0, steps)
@@ -279,7 +287,42 @@ def from_torch_state_dict(
         cfg = dataclasses.replace(base, **values)
     except InvalidConfigError as exc:  # the keys are fine alone, not together
         raise InvalidStateError(f"state_dict: {exc}") from exc
-    growth = _int_field(
-        "state_dict['_growth_tracker']", data["_growth_tracker"], 0, cfg.growth_interval - 1
-    )
+    growth = _tracker_field("state_dict['_growth_tracker']", data["_growth_tracker"])
     return ScalerState(cfg, cfg.init_scale, growth, cfg.hysteresis, 0, 0, 0, 0)
+
+
+def with_torch_entries(state: ScalerState, data: Mapping[str, Any]) -> ScalerState:
+    """``state`` with the five entries of a ``torch.amp.GradScaler.state_dict()`` applied.
+
+    The rule for a dict holding both (what ``scaler_core.torch.GradScaler.state_dict()``
+    saves): PyTorch's entries win, as PyTorch's class loads them, so an edited
+    ``scale``, factor, interval or tracker takes effect; ``state`` (the scaler-core
+    payload) supplies every other field. Unedited entries give ``state`` back. Each
+    entry is validated as :func:`from_torch_state_dict` validates it, against
+    ``state``'s config (its bounds, a static scale), before anything is built.
+
+    Raises:
+        InvalidStateError: An entry is missing, unknown, wrongly typed or out of range;
+            the message names it by its key.
+    """
+    data = _mapping("state_dict", data)
+    _exact_keys("state_dict", data, _TORCH_KEYS)
+    base = state.config
+    values = {
+        "growth_factor": data["growth_factor"],
+        "backoff_factor": data["backoff_factor"],
+        "growth_interval": data["growth_interval"],
+    }
+    for field, value in values.items():  # each key named as saved
+        _torch_field(base, field, field, value)
+    try:
+        cfg = dataclasses.replace(base, **values)
+    except InvalidConfigError as exc:  # the keys are fine alone, not together
+        raise InvalidStateError(f"state_dict: {exc}") from exc
+    cfg = base if cfg == base else cfg
+    where = "state_dict['scale']"
+    scale = _scale_field(where, data["scale"], cfg)
+    if not cfg.dynamic and scale != cfg.init_scale:
+        raise _bad(where, data["scale"], f"init_scale={cfg.init_scale!r} for a static config")
+    growth = _tracker_field("state_dict['_growth_tracker']", data["_growth_tracker"])
+    return dataclasses.replace(state, config=cfg, scale=scale, growth_tracker=growth)

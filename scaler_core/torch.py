@@ -9,8 +9,9 @@ trains bit-identically to it with PyTorch's defaults. On top:
   floors, ceilings, hysteresis, skip limits;
 * fail-closed: a backoff that would leave the scale 0 or subnormal raises
   :class:`~scaler_core.ScaleCollapseError` (on an accelerator, it is recorded and
-  raised by the next ``get_scale()``, ``state`` or ``state_dict()``), where
-  PyTorch's scale goes silently subnormal;
+  raised by the next ``get_scale()``, ``state`` or ``state_dict()``, and every step
+  is skipped until a checkpoint is loaded), where PyTorch's scale goes silently
+  subnormal;
 * the overflow an unscale itself makes (a scale below 1) is found, which PyTorch's
   kernel does not check;
 * ``scaler.state``: the immutable state with its skip accounting; ``stepped(optimizer)``:
@@ -20,14 +21,19 @@ trains bit-identically to it with PyTorch's defaults. On top:
 * ``process_group=``: the found flag is OR-ed over ``torch.distributed`` ranks, so
   every rank skips together where ranks check different gradients (FSDP, ZeRO).
 
-Importing this module imports torch (``import scaler_core`` never does).
+Under ``torch.compile`` its methods run eagerly, as PyTorch's do (see
+``_eager_under_compile``). Importing this module imports torch and ``torch._dynamo``
+(``import scaler_core`` never does).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import inspect
+import math
+import numbers
 from collections import defaultdict
-from typing import Any, cast
+from typing import Any, TypeVar, cast
 
 import torch
 from torch.amp.grad_scaler import OptState, _refresh_per_optimizer_state
@@ -37,7 +43,7 @@ from ._errors import InvalidArgumentError
 from ._f32 import f32, is_normal_f32
 from ._lifecycle import StepReport
 from ._report import LeafReport, non_finite_leaves
-from ._serialize import from_dict, from_torch_state_dict, to_dict
+from ._serialize import from_dict, from_torch_state_dict, to_dict, with_torch_entries
 from ._state import DATA_FIELDS, FLOAT_FIELDS, ScalerState, device_update, host_update, init
 from .backends._torch import BACKEND as _TORCH
 from .backends._torch import TorchNamespace, check_for_fused, unscale_buckets
@@ -49,6 +55,7 @@ _EXTRA = tuple(name for name in DATA_FIELDS if name not in ("scale", "growth_tra
 #: The key of ``state_dict()`` holding the whole scaler-core state (PyTorch ignores it).
 STATE_KEY = "scaler_core"
 _TORCH_DEFAULTS = (2.0**16, 2.0, 0.5, 2000)
+_T = TypeVar("_T")
 
 
 def _no_spikes(config: ScalerConfig) -> None:
@@ -62,6 +69,45 @@ def _no_spikes(config: ScalerConfig) -> None:
         )
 
 
+def _eager_under_compile(cls: type[_T]) -> type[_T]:
+    """Run the methods of ``cls`` eagerly inside ``torch.compile``, as PyTorch's own do.
+
+    Dynamo never traces ``torch.amp.GradScaler``: ``torch/`` is one of its skipped
+    directories (``torch._dynamo.trace_rules``), so a compiled step breaks the graph at
+    each of its calls and runs it as plain Python. A third-party class is traced
+    instead, and tracing this one went wrong: a host read (``.item()``) broke the
+    graph where PyTorch's does not, and state kept on ``self`` between calls (the
+    per-optimizer record ``unscale_and_clip_`` leaves for ``step``) was lost, so a
+    compiled step unscaled clipped gradients twice. Making the scaler traceable would
+    fight Dynamo over every host read and dict of state for no gain, since PyTorch's
+    class is not in the graph either; so every method that user code or PyTorch's
+    own (skipped) code calls, that is every public one and every override of
+    PyTorch's, is wrapped in ``torch.compiler.disable``: the graph breaks at the call
+    as it does for PyTorch's class, and the call, with everything it calls (the
+    optimizer's ``step``, an ``on_step`` callback), runs eagerly. Helpers only these
+    methods call need no wrapper. ``torch.compiler.disable`` imports
+    ``torch._dynamo``, which ``torch.optim`` imports anyway.
+    """
+
+    def eager(fn: Any) -> Any:
+        return torch.compiler.disable(fn)  # type: ignore[no-untyped-call, unused-ignore]
+
+    for name, value in list(vars(cls).items()):
+        if name.startswith("_") and not hasattr(torch.amp.GradScaler, name):
+            continue  # a helper of this class: only reached from the wrapped methods
+        if isinstance(value, property):
+            wrapped: Any = property(eager(value.fget), value.fset, value.fdel, value.__doc__)
+        elif isinstance(value, staticmethod):
+            wrapped = staticmethod(eager(value.__func__))
+        elif inspect.isfunction(value):
+            wrapped = eager(value)
+        else:
+            continue
+        setattr(cls, name, wrapped)
+    return cls
+
+
+@_eager_under_compile
 class GradScaler(torch.amp.GradScaler):
     """``torch.amp.GradScaler``, with scaler-core's policies and guarantees.
 
@@ -316,7 +362,20 @@ class GradScaler(torch.amp.GradScaler):
         return floor is None or floor < 1.0
 
     def _reduce(self, found: dict[torch.device, torch.Tensor]) -> None:
-        """OR the flags over the process group: one all-reduce (max) per device."""
+        """OR into each optimizer's found flags, in place, what forbids its step.
+
+        Every flag a step is decided from passes here (``unscale_``, a fused
+        optimizer's check, ``unscale_and_clip_``). On the device route, a failure
+        recorded by an earlier ``update`` (a collapse that could not raise there):
+        after it no step may move a parameter until the user deals with it (loads a
+        checkpoint); ORed on the device, with no synchronisation. Then the flags of
+        the other ranks of the process group: one all-reduce (max) per device.
+        """
+        if not self._host_route():  # the host route raises a failure, never records one
+            failed = cast(dict[str, torch.Tensor], self._extra)["failure"] != 0
+            for device, flag in found.items():
+                held = failed.to(device, dtype=flag.dtype, non_blocking=True)
+                torch.maximum(flag, held, out=flag)
         if self._process_group is None:
             return
         import torch.distributed as dist  # noqa: PLC0415 - only data-parallel users need it
@@ -415,30 +474,55 @@ class GradScaler(torch.amp.GradScaler):
     def update(self, new_scale: float | torch.Tensor | None = None) -> None:
         """As PyTorch's, through scaler-core's transition (every config, fail-closed).
 
+        Without ``new_scale``: the step's found flags (OR-ed over the optimizers) drive
+        the config's rules, as PyTorch's kernel drives its own. With ``new_scale``: the
+        scale is set to it and nothing else changes (PyTorch's growth tracker stays;
+        so do this class's counters and ``last_kind``, since no rule ran). It takes what
+        PyTorch's takes (a float; a one-element tensor of any dtype on the scaler's
+        device type, without grad), and any other real number (an ``int``, a NumPy
+        float32), checked as the float32 value the scale would hold before anything
+        changes. A tensor on an accelerator is taken unread, as PyTorch takes it (a
+        read would synchronise). Either way ``on_step`` gets one report of the step,
+        and the step's norm and leaves are dropped.
+
         Raises:
             ScaleCollapseError: (CPU) The step would collapse the scale or hit a floor
                 set to raise; the scaler is left as it was, this step's checks kept
                 (see :meth:`abandon_step`). On an accelerator the refusal is recorded
-                and raised by the next host-side look.
+                and raised by the next host-side look, and every later ``step`` is
+                skipped (no parameter moves) until :meth:`load_state_dict` loads a
+                checkpoint.
             SkipLimitError: (CPU) More consecutive skips than the config allows.
+            InvalidArgumentError: ``new_scale`` is no scale (not a real number or a
+                tensor; 0, negative, NaN, inf or subnormal as a float32), lies outside
+                the config's ``[min_scale, max_scale]``, or differs from a static
+                config's scale; nothing has changed.
         """
         if not self._enabled:
             return
         _scale, _growth_tracker = self._check_scale_growth_tracker("update")
-        if new_scale is not None:
-            super().update(self._new_scale(new_scale))
-            return
         found_infs = [
             found_inf
             for state in self._per_optimizer_states.values()
             for found_inf in state["found_inf_per_device"].values()
         ]
+        if new_scale is not None:
+            value = self._new_scale(new_scale)  # checked before anything changes
+            flag = self._step_flag(found_infs, _scale)
+            current = self._host_state() if self._host_route() else None
+            super().update(value)
+            if current is None:
+                new = self._device_state()
+            else:
+                new = dataclasses.replace(current, scale=cast(float, _scale.item()))
+                self._mirror = new
+            self._end_step(new, flag)
+            return
         if len(found_infs) == 0:
             raise AssertionError("No inf checks were recorded prior to update.")  # PyTorch's error
-        flag: Any
-        if _scale.device.type == "cpu":  # host values cost nothing to read here
+        flag = self._step_flag(found_infs, _scale)
+        if self._host_route():  # host values cost nothing to read here
             current = self._host_state()
-            flag = any(f.item() for f in found_infs)
             new = host_update(current, flag)
             for name in DATA_FIELDS:
                 value = getattr(new, name)
@@ -446,11 +530,27 @@ class GradScaler(torch.amp.GradScaler):
                     self._field(name).fill_(value)
             self._mirror = new
         else:
-            flag = torch.stack([f.to(_scale.device, non_blocking=True) for f in found_infs])
-            flag = flag.sum() > 0
             new = device_update(TorchNamespace(_scale.device), self._device_state(), flag)
             for name in DATA_FIELDS:
                 self._field(name).copy_(getattr(new, name))
+        self._end_step(new, flag)
+
+    def _host_route(self) -> bool:
+        """Whether the scale lives on the CPU, where its values are read and the rules
+        run on the host (raising on a failing step); elsewhere they run on the device
+        and a failure is recorded there. The one place the route is decided."""
+        return cast(torch.Tensor, self._scale).device.type == "cpu"
+
+    def _step_flag(self, found_infs: list[torch.Tensor], scale: torch.Tensor) -> Any:
+        """The step's found flag: a bool on the host route, a device bool otherwise."""
+        if self._host_route():
+            return any(bool(f.item()) for f in found_infs)
+        if not found_infs:
+            return torch.zeros((), dtype=torch.bool, device=scale.device)
+        return torch.stack([f.to(scale.device, non_blocking=True) for f in found_infs]).sum() > 0
+
+    def _end_step(self, new: ScalerState, flag: Any) -> None:
+        """Clear the step's records (as PyTorch does) and report it once."""
         self._per_optimizer_states = defaultdict(_refresh_per_optimizer_state)
         norm, self._norm = self._norm, None
         leaves, self._leaves = tuple(self._leaves), []
@@ -460,7 +560,8 @@ class GradScaler(torch.amp.GradScaler):
     def _host_state(self) -> ScalerState:
         """The state of a CPU scaler: the copy kept at the last update, while the two
         tensors PyTorch exposes (``_scale``, ``_growth_tracker``) still hold its values
-        (code that writes them directly is seen), else read from the tensors."""
+        (code that writes them directly is seen), else read from the tensors. The
+        config is always the current one: a setter called since then has changed it."""
         mirror = self._mirror
         scale, tracker = cast(torch.Tensor, self._scale), cast(torch.Tensor, self._growth_tracker)
         if (
@@ -468,26 +569,63 @@ class GradScaler(torch.amp.GradScaler):
             and scale.item() == mirror.scale
             and tracker.item() == mirror.growth_tracker
         ):
-            return mirror
+            config = self._enabled_config()
+            return mirror if mirror.config is config else dataclasses.replace(mirror, config=config)
         return self._device_state().to_host()
 
-    def _new_scale(self, new_scale: float | torch.Tensor) -> float | torch.Tensor:
-        """``new_scale`` checked as far as the host can see it: a positive normal float32
-        (a tensor on an accelerator is taken as PyTorch takes it, unread)."""
+    def _new_scale(self, new_scale: object) -> float | torch.Tensor:
+        """``new_scale`` checked as far as the host can see it, as what to fill the scale
+        with: PyTorch's checks of a tensor first (its messages), then the float32 value
+        the scale would hold, against every scale's rule and the config's bounds."""
         if isinstance(new_scale, torch.Tensor):
-            if new_scale.device.type != "cpu" or new_scale.numel() != 1:
-                return new_scale  # PyTorch's own checks answer
-            value: Any = new_scale.item()
-        elif isinstance(new_scale, int) and not isinstance(new_scale, bool):
-            value = new_scale = float(new_scale)
+            reason = (  # PyTorch's error
+                "new_scale should be a float or a 1-element torch.cuda.FloatTensor or "
+                "torch.FloatTensor with requires_grad=False."
+            )
+            if new_scale.device.type != self._device:
+                raise AssertionError(reason)
+            if new_scale.numel() != 1:
+                raise AssertionError(reason)
+            if new_scale.requires_grad is True:
+                raise AssertionError(reason)
+            if new_scale.device.type != "cpu":
+                return new_scale  # read, it would synchronise: taken as PyTorch takes it
+            # The value PyTorch's copy_ would store (and its error for a bad shape).
+            held = torch.empty((), dtype=torch.float32).copy_(new_scale).item()
+            fill: float | torch.Tensor = new_scale
+        elif isinstance(new_scale, numbers.Real) and not isinstance(new_scale, bool):
+            try:
+                fill = float(new_scale)
+            except OverflowError:  # an int no float holds: no scale either
+                fill = math.inf
+            held = f32(fill) if math.isfinite(fill) else fill
         else:
-            value = new_scale
-        if not isinstance(value, float) or not is_normal_f32(value):
             raise InvalidArgumentError(
-                f"new_scale={value!r}, but it must be a positive, finite, normal float32 "
+                f"new_scale={new_scale!r}, but it must be a float, an int or a one-element "
+                f"tensor holding a positive, finite, normal float32 value; pass a float such "
+                f"as 1024.0"
+            )
+        exact = not isinstance(new_scale, torch.Tensor) and held == new_scale
+        shown = repr(new_scale) if exact else f"{new_scale!r} (float32: {held!r})"
+        if not is_normal_f32(held):
+            raise InvalidArgumentError(
+                f"new_scale={shown}, but it must be a positive, finite, normal float32 "
                 f"value (as every scale); pass a float such as 1024.0"
             )
-        return new_scale
+        config = self._enabled_config()
+        low, high = config.min_scale, config.max_scale
+        if (low is not None and held < low) or (high is not None and held > high):
+            raise InvalidArgumentError(
+                f"new_scale={shown}, but it must lie within this scaler's config bounds "
+                f"[min_scale={low!r}, max_scale={high!r}]; pass a scale in that range"
+            )
+        if not config.dynamic and held != config.init_scale:
+            raise InvalidArgumentError(
+                f"new_scale={shown}, but this scaler's config is static (its scale stays "
+                f"init_scale={config.init_scale!r}); pass {config.init_scale!r}, or use a "
+                f"dynamic config"
+            )
+        return fill
 
     def _field(self, name: str) -> torch.Tensor:
         if name == "scale":
@@ -544,11 +682,19 @@ class GradScaler(torch.amp.GradScaler):
         """Load a dict this class or ``torch.amp.GradScaler`` saved, validated first.
 
         A dict PyTorch saved keeps this scaler's policy knobs beyond PyTorch's
-        (floors, hysteresis, ...); one saved by this class restores them all.
+        (floors, hysteresis, ...); one saved by this class restores them all. The
+        rule where both are present: **PyTorch's five entries win**. ``scale``,
+        ``growth_factor``, ``backoff_factor``, ``growth_interval`` and
+        ``_growth_tracker`` are loaded as PyTorch's class loads them (so editing one
+        takes effect here as there), validated against the saved config (its bounds,
+        a static scale); the ``"scaler_core"`` payload supplies every other field
+        (the config's other knobs, hysteresis, skip counters). An unedited dict
+        restores the saved state exactly.
 
         Raises:
             RuntimeError: The dict is empty (as PyTorch raises).
-            InvalidStateError: It is malformed; nothing is loaded.
+            InvalidStateError: It is malformed, or an entry is out of range (named by
+                its key); nothing is loaded.
             InvalidArgumentError: Its config has spike skipping on (see
                 ``spike_threshold``); nothing is loaded.
         """
@@ -560,8 +706,9 @@ class GradScaler(torch.amp.GradScaler):
                 "from a disabled instance of GradScaler."
             )
         payload = state_dict.get(STATE_KEY)
-        if payload is not None:
-            loaded = from_dict(payload)
+        if payload is not None:  # PyTorch's five entries win; the payload gives the rest
+            entries = {key: value for key, value in state_dict.items() if key != STATE_KEY}
+            loaded = with_torch_entries(from_dict(payload), entries)
         else:  # PyTorch's five keys; the other knobs stay this scaler's
             loaded = from_torch_state_dict(dict(state_dict), self._enabled_config())
         self._apply(loaded)

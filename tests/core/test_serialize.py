@@ -72,7 +72,9 @@ MALFORMED = {
     "subnormal scale": (edit(("state", "scale"), 1e-40), "scale"),
     "huge int scale": (edit(("state", "scale"), 10**400), "scale"),
     "string scale": (edit(("state", "scale"), "65536"), "scale"),
-    "tracker too big": (edit(("state", "growth_tracker"), 4), "growth_tracker"),
+    # At or past growth_interval is reachable (PyTorch's set_growth_interval), past
+    # int32 is not.
+    "tracker too big": (edit(("state", "growth_tracker"), 2**31), "growth_tracker"),
     "negative tracker": (edit(("state", "growth_tracker"), -1), "growth_tracker"),
     "float tracker": (edit(("state", "growth_tracker"), 1.0), "growth_tracker"),
     "bool tracker": (edit(("state", "growth_tracker"), True), "growth_tracker"),
@@ -133,13 +135,13 @@ TORCH_BAD = {
         },
         r"state_dict\['scale'\]",
     ),
-    "tracker past interval": (
+    "tracker past int32": (
         {
             "scale": 1.0,
             "growth_factor": 2.0,
             "backoff_factor": 0.5,
             "growth_interval": 10,
-            "_growth_tracker": 10,
+            "_growth_tracker": 2**31,
         },
         "_growth_tracker",
     ),

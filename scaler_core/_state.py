@@ -50,7 +50,10 @@ step into a :class:`StepKind`, then applies that kind. The rules:
 
 Invariants, after every step that did not fail: the scale is a finite, positive,
 normal float32 within ``[min_scale, max_scale]``; ``0 <= growth_tracker <
-growth_interval``; ``1 <= hysteresis_tracker <= hysteresis``;
+growth_interval`` from a state that held it (a state whose interval was shortened
+below its tracker, as PyTorch's ``set_growth_interval`` allows, counts on without
+growing until a backoff, as PyTorch's kernel does); ``1 <= hysteresis_tracker <=
+hysteresis``;
 ``consecutive_skips <= skipped_steps <= steps``; ``norm_mean`` and ``norm_var``
 are finite float32 values, ``norm_var >= 0``, ``0 <= norm_count <=
 spike_window``; ``last_kind`` is 0 or the code of a kind that does not fail.

@@ -19,7 +19,8 @@ trains bit-identically to it with PyTorch's defaults. On top:
 * ``state_dict()`` carries the whole versioned scaler-core state under one extra
   key that PyTorch ignores; a dict PyTorch saved loads too;
 * ``process_group=``: the found flag is OR-ed over ``torch.distributed`` ranks, so
-  every rank skips together where ranks check different gradients (FSDP, ZeRO).
+  every rank skips together where ranks check different gradients (ZeRO-style
+  shards each rank checks alone; FSDP2's DTensor gradients need no group).
 
 Under ``torch.compile`` its methods run eagerly, as PyTorch's do (see
 ``_eager_under_compile``). Importing this module imports torch and ``torch._dynamo``
@@ -130,8 +131,9 @@ class GradScaler(torch.amp.GradScaler):
         report_leaves: On a step whose gradients hold NaN or inf, find which
             (:func:`scaler_core.non_finite_leaves`, paths ``grads[group][index]``
             in ``optimizer.param_groups`` order) and put them in the report. Costs
-            one host read of each optimizer's flag per unscale, and one more read
-            of the gradients only on such steps.
+            one host read of each optimizer's flag per unscale (for a fused
+            optimizer, per ``step``), and one more read of the gradients only on
+            such steps.
 
     Raises:
         InvalidArgumentError: ``config`` is not a ScalerConfig, is given with

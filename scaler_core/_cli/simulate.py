@@ -167,6 +167,12 @@ def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
     if args.spike_threshold is not None or args.spike_window is not None:
         specs = {name: _with_spikes(spec, args) for name, spec in specs.items()}
     trace = load_trace(args.trace)
+    if args.spike_threshold is not None and trace.grad_norm is None:
+        raise InvalidArgumentError(
+            f"--spike-threshold {args.spike_threshold:g} needs each step's gradient norm, but "
+            f"trace {trace.name!r} has no grad_norm column (CSV) or list (JSON); record it, "
+            f"or leave out --spike-threshold"
+        )
     results = simulate(trace, specs, dtype=args.dtype)
     if args.json:
         recorded = trace.recorded_with

@@ -26,6 +26,7 @@ from scaler_core.simulate import (
     simulate,
 )
 
+from . import plain_text
 from ._files import PLOT_FORMATS, check_output, write
 from ._plot import pyplot
 
@@ -115,7 +116,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     parser: argparse.ArgumentParser = subparsers.add_parser(
         "simulate",
         help="replay a trace under several loss-scale policies and compare them",
-        description=library.__doc__.split("\n\n")[1] if library.__doc__ else None,
+        description=plain_text(library.__doc__.split("\n\n")[1]) if library.__doc__ else None,
     )
     parser.add_argument(
         "trace",

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import ast
 import importlib.util
+import itertools
 import re
 import shlex
 import subprocess
@@ -437,3 +438,18 @@ def test_every_test_the_guarantees_name_exists() -> None:
         source = (ROOT / path).read_text(encoding="utf-8")
         if test:
             assert re.search(rf"^(def {test}\(|{test} = )", source, flags=re.M), f"{path}::{test}"
+
+
+@pytest.mark.parametrize("page", PAGES, ids=_name)
+def test_no_table_is_cut_in_two(page: Path) -> None:
+    """A table row after a paragraph line renders as text: a table cut by a paragraph."""
+    lines = page.read_text(encoding="utf-8").splitlines()
+    fenced = False
+    for i, (before, line) in enumerate(itertools.pairwise(["", *lines]), start=1):
+        if line.startswith("```"):
+            fenced = not fenced
+        if fenced or not line.startswith("|"):
+            continue
+        assert before.startswith(("|", "#")) or not before.strip(), (
+            f"{_name(page)} line {i}: a table row right after a line of text"
+        )

@@ -2,7 +2,7 @@
 
 A backend implements unscale and non-finite detection for one array library.
 Backends are looked up by name or from the arrays themselves: the leaf's type
-names its top-level module (``numpy``, ``cupy``, ``jax``/``jaxlib``), which is
+names its top-level module (``numpy``, ``cupy``, ``jax``/``jaxlib``, ``torch``), which is
 necessarily imported already, so dispatch never imports a library the user has
 not imported. Backend modules themselves load lazily, on first use.
 """
@@ -37,7 +37,7 @@ class Backend(Protocol):
     """What every backend provides. The docstrings here are the contract.
 
     Flags ("found" values) are whatever the library keeps on its device: a NumPy
-    bool for NumPy, a 0-d boolean array for CuPy and JAX. No method but
+    bool for NumPy, a 0-d boolean array for CuPy, JAX and PyTorch. No method but
     :meth:`to_bool` may synchronise with the host.
     """
 
@@ -61,7 +61,7 @@ class Backend(Protocol):
 
         Returns:
             ``(grads, found)``: the same tree modified in place where the library
-            allows it (NumPy, CuPy), a new tree where it does not (JAX), and one
+            allows it (NumPy, CuPy, PyTorch), a new tree where it does not (JAX), and one
             flag for all gradients.
 
         Raises:

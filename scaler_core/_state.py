@@ -509,7 +509,7 @@ def host_norm(value: object, what: str = "grad_norm") -> float | None:
     """
     if isinstance(value, (int, float)) and not isinstance(value, bool):
         out = float(value)
-    elif type(value).__module__ in _HOST_MODULES:
+    elif type(value).__module__ in _NUMPY_MODULES:
         dtype = str(getattr(value, "dtype", ""))
         if not dtype.startswith(("float", "bfloat")) or getattr(value, "shape", None) != ():
             raise GradientTypeError(f"{what}={value!r}, but {NORM_MUST}")
@@ -540,8 +540,10 @@ def device_norm(value: object, what: str = "grad_norm") -> Any:
     return value
 
 
+#: Modules of NumPy's host values (ml_dtypes holds NumPy's bfloat16 scalars).
+_NUMPY_MODULES = frozenset({"numpy", "ml_dtypes"})
 #: Modules whose values are host values: they go with every array library.
-_HOST_MODULES = frozenset({"builtins", "numpy", "ml_dtypes"})
+_HOST_MODULES = _NUMPY_MODULES | {"builtins"}
 #: JAX's concrete arrays live in ``jaxlib``, its tracers in ``jax``: one library.
 _SAME_LIBRARY = {"jaxlib": "jax"}
 
@@ -605,8 +607,8 @@ def mixed_error(
     (lib_a, name_a, a), (lib_b, name_b, b) = first, second
     states = [n for n in (name_a, name_b) if n.startswith("state.")]
     fix = (
-        "move the state to the flag's library with its integration's to_device(), or to "
-        "the host with state.to_host()"
+        "keep the state where the step's gradients are, or bring it to the host with "
+        "state.to_host() (a host state goes with any library)"
         if states
         else "pass the flag and the norm that unscale_and_norm() returned for this step"
     )

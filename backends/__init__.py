@@ -2,5 +2,5 @@
 
 Installed as ``scaler_core.backends``. Import nothing here: each backend loads
 lazily through :func:`scaler_core.get_backend` so that using NumPy never
-imports JAX or CuPy.
+imports JAX, CuPy or PyTorch (``torch``).
 """

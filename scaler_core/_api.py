@@ -7,10 +7,12 @@ from typing import Any
 from ._backend import Backend, backend_for, resolve_backend
 from ._state import (
     ScalerState,
+    device_norm,
     host_flag,
     host_norm,
     host_update,
     norm_missing_error,
+    one_library,
     require_state,
 )
 
@@ -59,8 +61,12 @@ def update(state: ScalerState, found_non_finite: Any, grad_norm: Any = None) -> 
         ScaleCollapseError: (host) The step would collapse the scale, or back
             off at a floor configured with ``at_min_scale="raise"``.
         SkipLimitError: (host) The step would pass ``max_consecutive_skips``.
-        GradientTypeError: ``found_non_finite`` is not a boolean flag, or
-            ``grad_norm`` is not a real number or a 0-d float array.
+        GradientTypeError: ``found_non_finite`` is not a boolean flag,
+            ``grad_norm`` is not a real number or a 0-d float array, or the flag,
+            the norm and the state hold arrays of two libraries (a Python or
+            NumPy value goes with any library).
+        GradientValueError: ``grad_norm`` is a negative number (a device norm
+            is not read back to check: a negative one counts as NaN).
         InvalidArgumentError: ``state`` is not a :class:`ScalerState`, or
             ``spike_threshold`` is set and ``grad_norm`` is None.
 
@@ -82,16 +88,25 @@ def update(state: ScalerState, found_non_finite: Any, grad_norm: Any = None) -> 
     spiking = cfg.spike_threshold is not None
     if spiking and grad_norm is None:
         raise norm_missing_error(cfg)
+    # Every argument is checked here, before any work: its type, a host norm's sign,
+    # and one array library for the device values among them (a host value goes
+    # with any). The backend then runs the same checks again, for direct callers.
     flag = host_flag(found_non_finite)
-    norm_on_host = not spiking or host_norm(grad_norm) is not None
-    if flag is not None and norm_on_host and state.on_host:
-        return host_update(state, flag, grad_norm if spiking else None)
+    norm = host_norm(grad_norm) if spiking else None
+    named: list[tuple[str, Any]] = []
     if flag is None:
-        backend = backend_for(found_non_finite, root="found_non_finite")
-    elif not norm_on_host:
-        backend = backend_for(grad_norm, root="grad_norm")
-    else:
+        named.append(("found_non_finite", found_non_finite))
+    if spiking and norm is None:
+        named.append(("grad_norm", device_norm(grad_norm)))
+    named.append(("state", state))
+    device = one_library(*named)
+    if device is None:
+        if state.on_host:
+            return host_update(state, bool(flag), norm)
         backend = backend_for(state.scale, root="state.scale")
+    else:
+        _, label, value = device
+        backend = backend_for(value, root=label)
     if not spiking:  # backends written before spike skipping take two arguments
         return backend.update(state, found_non_finite)
     return backend.update(state, found_non_finite, grad_norm)

@@ -2,7 +2,7 @@
 
 A backend implements unscale and non-finite detection for one array library.
 Backends are looked up by name or from the arrays themselves: the leaf's type
-names its top-level module (``numpy``, ``cupy``, ``jax``/``jaxlib``), which is
+names its top-level module (``numpy``, ``cupy``, ``jax``/``jaxlib``, ``torch``), which is
 necessarily imported already, so dispatch never imports a library the user has
 not imported. Backend modules themselves load lazily, on first use.
 """
@@ -10,6 +10,7 @@ not imported. Backend modules themselves load lazily, on first use.
 from __future__ import annotations
 
 import importlib
+import inspect
 import sys
 import threading
 from collections.abc import Callable, Iterable
@@ -21,10 +22,12 @@ from ._state import ScalerState
 from ._tree import leaves_with_paths
 
 __all__ = [
+    "BACKEND_MEMBERS",
     "Backend",
     "available_backends",
     "backend_for",
     "get_backend",
+    "missing_members",
     "register_backend",
 ]
 
@@ -34,7 +37,7 @@ class Backend(Protocol):
     """What every backend provides. The docstrings here are the contract.
 
     Flags ("found" values) are whatever the library keeps on its device: a NumPy
-    bool for NumPy, a 0-d boolean array for CuPy and JAX. No method but
+    bool for NumPy, a 0-d boolean array for CuPy, JAX and PyTorch. No method but
     :meth:`to_bool` may synchronise with the host.
     """
 
@@ -58,7 +61,7 @@ class Backend(Protocol):
 
         Returns:
             ``(grads, found)``: the same tree modified in place where the library
-            allows it (NumPy, CuPy), a new tree where it does not (JAX), and one
+            allows it (NumPy, CuPy, PyTorch), a new tree where it does not (JAX), and one
             flag for all gradients.
 
         Raises:
@@ -170,6 +173,39 @@ class Backend(Protocol):
         ...
 
 
+#: The members every backend has: the protocol's methods and its ``name``.
+BACKEND_MEMBERS: tuple[str, ...] = tuple(
+    sorted(
+        {*Backend.__annotations__}
+        | {n for n, v in vars(Backend).items() if callable(v) and not n.startswith("_")}
+    )
+)
+
+
+def missing_members(obj: object) -> list[str]:
+    """The :data:`BACKEND_MEMBERS` that ``obj`` lacks, alike on every Python version.
+
+    A member counts where ``isinstance(obj, Backend)`` finds it from Python 3.12 on:
+    on the object's class or in its instance ``__dict__``, never through
+    ``__getattr__`` (which Python 3.11's check followed). Every check of
+    scaler-core's uses this, never ``isinstance`` with the protocol, so a backend
+    is accepted or refused the same on every version ``requires-python`` allows.
+
+    >>> missing_members(get_backend("numpy")), missing_members(object())[:2]
+    ([], ['any', 'find_non_finite'])
+    """
+    missing = []
+    for member in BACKEND_MEMBERS:
+        try:
+            value = inspect.getattr_static(obj, member)
+        except AttributeError:
+            missing.append(member)
+            continue
+        if value is None and member != "name":  # None on a class: "not implemented"
+            missing.append(member)
+    return missing
+
+
 @dataclass(frozen=True)
 class _Entry:
     loader: Callable[[], Backend]
@@ -271,10 +307,18 @@ def get_backend(name: str | Backend = "numpy") -> Backend:
         InvalidArgumentError: ``name`` is neither a str nor a Backend.
     """
     if not isinstance(name, str):
-        if isinstance(name, Backend):
+        missing = missing_members(name)
+        if not missing:
             return name
+        lacks = (
+            ""
+            if len(missing) == len(BACKEND_MEMBERS)
+            else f" (it lacks {missing}: define them on its class; members served by "
+            f"__getattr__ do not count)"
+        )
         raise InvalidArgumentError(
-            f"backend={name!r}, but it must be a backend name {sorted(_REGISTRY)!r} or a Backend"
+            f"backend={name!r}, but it must be a backend name {sorted(_REGISTRY)!r} or a "
+            f"Backend{lacks}"
         )
     loaded = _LOADED.get(name)
     if loaded is not None:

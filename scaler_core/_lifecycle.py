@@ -182,6 +182,19 @@ class StepReport:
         return self.state.current_scale()
 
 
+def _combined_norm(backend: Backend, norms: list[Any]) -> Any:
+    """The L2 norm of several gradient groups from their norms (0-d float32 arrays).
+
+    It is the norm of the vector of the groups' norms, so it is computed as each
+    group's norm was: by ``backend.unscale_norm`` at scale 1 (which writes nothing),
+    squares summed in float64 where the library has it and rounded once. Squaring
+    the float32 norms in float32 instead overflows above about ``1.8e19`` and
+    flushes below about ``1e-19``.
+    """
+    _, _, total = backend.unscale_norm([n.reshape(1) for n in norms], 1.0)
+    return total
+
+
 class GradScaler:
     """Holds a scaler's state and enforces the order of a training step.
 
@@ -298,14 +311,16 @@ class GradScaler:
     @property
     def grad_norm(self) -> Any:
         """This step's global norm of the unscaled gradients so far (a device value), or
-        ``None`` when no call computed one. Several groups combine as one vector would."""
+        ``None`` when no call computed one. Several groups combine as one vector would:
+        the norm of the groups' norms, by the backend's own norm kernel (float64 sums
+        where the library has them), so two groups of norm ``3e19`` give ``4.24e19``,
+        not inf, and two of ``1e-23`` give ``1.41e-23``, not 0."""
         norms = list(self._norms.values())
         if not norms:
             return None
-        total = norms[0]
-        for other in norms[1:]:
-            total = (total * total + other * other) ** 0.5
-        return total
+        if len(norms) == 1:
+            return norms[0]
+        return _combined_norm(self._backend_for(None), norms)
 
     @property
     def last_report(self) -> StepReport | None:

@@ -81,6 +81,7 @@ from typing import Any
 from ._config import ScalerConfig
 from ._errors import (
     GradientTypeError,
+    GradientValueError,
     InvalidArgumentError,
     InvalidStateError,
     ReplicaMismatchError,
@@ -100,8 +101,11 @@ __all__ = [
     "Failure",
     "ScalerState",
     "StepKind",
+    "array_library",
     "classify",
     "convert_fields",
+    "describe",
+    "device_norm",
     "device_update",
     "flag_error",
     "host_flag",
@@ -109,7 +113,10 @@ __all__ = [
     "host_outcome",
     "host_update",
     "init",
+    "mixed_error",
+    "module_library",
     "norm_missing_error",
+    "one_library",
     "register_flax_serialization",
     "register_pytree",
     "require_state",
@@ -568,23 +575,124 @@ def host_norm(value: object, what: str = "grad_norm") -> float | None:
     """``value`` as a Python float when it is a host norm, else ``None`` (a device array).
 
     Host norms: ``int`` and ``float`` (not ``bool``), NumPy floating scalars and
-    0-d NumPy float arrays (checked by type name, so NumPy is never imported here).
+    0-d NumPy float arrays, ml_dtypes scalars (bfloat16), checked by type name so
+    NumPy is never imported here. A norm is ``>= 0``, NaN or ``+inf``.
 
     Raises:
         GradientTypeError: ``value`` is a bool, a string, a container, a complex
             number, ``None``, or a NumPy value that is not a 0-d float.
+        GradientValueError: ``value`` is a negative host number (``-inf`` too).
     """
     if isinstance(value, (int, float)) and not isinstance(value, bool):
-        return float(value)
-    typ = type(value)
-    if typ.__module__ == "numpy":
+        out = float(value)
+    elif type(value).__module__ in _NUMPY_MODULES:
         dtype = str(getattr(value, "dtype", ""))
-        if dtype.startswith(("float", "bfloat")) and getattr(value, "shape", None) == ():
-            return float(value)  # type: ignore[arg-type]
+        if not dtype.startswith(("float", "bfloat")) or getattr(value, "shape", None) != ():
+            raise GradientTypeError(f"{what}={value!r}, but {NORM_MUST}")
+        out = float(value)  # type: ignore[arg-type]
+    elif isinstance(value, (bool, complex, str, bytes, list, tuple, dict, set)) or value is None:
         raise GradientTypeError(f"{what}={value!r}, but {NORM_MUST}")
-    if isinstance(value, (bool, complex, str, bytes, list, tuple, dict, set)) or value is None:
-        raise GradientTypeError(f"{what}={value!r}, but {NORM_MUST}")
-    return None
+    else:
+        return None
+    if out < 0:
+        raise GradientValueError(
+            f"{what}={value!r}, but a norm is >= 0 (NaN or inf on a step whose gradients "
+            f"are not finite); pass the norm returned by scaler_core.unscale_and_norm() or "
+            f"unscale_and_clip(), or math.sqrt of a sum of squares"
+        )
+    return out
+
+
+def device_norm(value: object, what: str = "grad_norm") -> Any:
+    """``value`` itself when it is a device norm: a 0-d float array of an array library.
+
+    Raises:
+        GradientTypeError: It is not (see :func:`host_norm` for host values).
+    """
+    shape, dtype = getattr(value, "shape", None), getattr(value, "dtype", None)
+    name = str(dtype).removeprefix("torch.")
+    if shape is None or tuple(shape) != () or not name.startswith(("float", "bfloat")):
+        raise GradientTypeError(f"{what}={describe(value)}, but {NORM_MUST}")
+    return value
+
+
+#: Modules of NumPy's host values (ml_dtypes holds NumPy's bfloat16 scalars).
+_NUMPY_MODULES = frozenset({"numpy", "ml_dtypes"})
+#: Modules whose values are host values: they go with every array library.
+_HOST_MODULES = _NUMPY_MODULES | {"builtins"}
+#: JAX's concrete arrays live in ``jaxlib``, its tracers in ``jax``: one library.
+_SAME_LIBRARY = {"jaxlib": "jax"}
+
+
+def module_library(value: object) -> str:
+    """The library ``value``'s type comes from (its top-level module; ``jaxlib`` is ``jax``)."""
+    top = type(value).__module__.partition(".")[0]
+    return _SAME_LIBRARY.get(top, top)
+
+
+def array_library(value: object) -> str | None:
+    """The array library of a device value; ``None`` for a host value (a Python
+    number or bool, a NumPy or ml_dtypes value), which goes with every library."""
+    library = module_library(value)
+    return None if library in _HOST_MODULES else library
+
+
+def describe(value: object) -> str:
+    """``value`` for a message: its repr on the host; type, shape and dtype for a
+    device array (whose repr would copy it to the host)."""
+    if array_library(value) is None:
+        return repr(value)
+    shape = getattr(value, "shape", None)
+    shape = tuple(shape) if shape is not None else None
+    return f"<{type(value).__name__} shape={shape} dtype={getattr(value, 'dtype', None)}>"
+
+
+def one_library(*named: tuple[str, object]) -> tuple[str, str, object] | None:
+    """The first device value among ``(name, value)`` pairs, once every device value
+    is known to come from its library: ``(library, name, value)``.
+
+    Host values go with any library; a :class:`ScalerState` stands for its fields
+    (named ``state.scale`` and so on). ``None`` when every value is a host value.
+
+    Raises:
+        GradientTypeError: Two values come from two libraries (the message names
+            both, their libraries and what to do).
+    """
+    first: tuple[str, str, object] | None = None
+    for name, value in named:
+        fields = (
+            [(f"state.{n}", getattr(value, n)) for n in DATA_FIELDS]
+            if isinstance(value, ScalerState)
+            else [(name, value)]
+        )
+        for label, item in fields:
+            library = array_library(item)
+            if library is None:
+                continue
+            if first is None:
+                first = (library, label, item)
+            elif library != first[0]:
+                raise mixed_error(first, (library, label, item))
+    return first
+
+
+def mixed_error(
+    first: tuple[str, str, object], second: tuple[str, str, object]
+) -> GradientTypeError:
+    """The one error for a step whose values come from two array libraries."""
+    (lib_a, name_a, a), (lib_b, name_b, b) = first, second
+    states = [n for n in (name_a, name_b) if n.startswith("state.")]
+    fix = (
+        "keep the state where the step's gradients are, or bring it to the host with "
+        "state.to_host() (a host state goes with any library)"
+        if states
+        else "pass the flag and the norm that unscale_and_norm() returned for this step"
+    )
+    return GradientTypeError(
+        f"{name_a}={describe(a)} is a {lib_a} array but {name_b}={describe(b)} is a {lib_b} "
+        f"array; one step takes the values of one library (a Python or NumPy value goes "
+        f"with any): {fix}"
+    )
 
 
 def _ftz(value: float) -> float:
@@ -602,9 +710,9 @@ def _host_x(cfg: ScalerConfig, grad_norm: object) -> float | None:
     value = host_norm(grad_norm)
     if value is None:
         raise GradientTypeError(
-            f"grad_norm={grad_norm!r} is a device array, but a host state with a host flag "
-            f"steps on the host; pass a host norm, or use scaler_core.update, which moves "
-            f"the step to the norm's device"
+            f"grad_norm={describe(device_norm(grad_norm))} is a device array, but a host "
+            f"state with a host flag steps on the host; pass a host norm, or use "
+            f"scaler_core.update, which moves the step to the norm's device"
         )
     return _ftz(value)
 
@@ -655,6 +763,7 @@ def classify(state: ScalerState, found_non_finite: bool, grad_norm: object = Non
     Raises:
         InvalidArgumentError: ``spike_threshold`` is set and ``grad_norm`` is None.
         GradientTypeError: ``grad_norm`` is not a real number.
+        GradientValueError: ``grad_norm`` is negative.
     """
     return _classify(state, found_non_finite, _host_x(state.config, grad_norm))
 
@@ -721,6 +830,7 @@ def host_update(
         SkipLimitError: The step would pass ``max_consecutive_skips``.
         InvalidArgumentError: ``spike_threshold`` is set and ``grad_norm`` is None.
         GradientTypeError: ``grad_norm`` is not a host real number.
+        GradientValueError: ``grad_norm`` is negative.
     """
     require_state(state).check()
     cfg = state.config
@@ -878,12 +988,14 @@ def device_update(
         InvalidArgumentError: ``state`` is not a :class:`ScalerState`, or
             ``spike_threshold`` is set and ``grad_norm`` is None (checked in
             Python, also under ``jax.jit``).
-        GradientTypeError: ``grad_norm`` is not a real number nor a 0-d float array.
+        GradientTypeError: ``grad_norm`` is not a real number nor a 0-d float array,
+            or the flag, the norm and the state's fields are arrays of more than
+            one library (``xp``'s and another).
+        GradientValueError: ``grad_norm`` is a negative host number.
     """
     cfg = require_state(state).config
     f32_, i32 = xp.float32, xp.int32
-    x = None if cfg.spike_threshold is None else _device_x(xp, cfg, grad_norm)
-    found = xp.asarray(found_non_finite, dtype=bool)
+    found, x = _device_inputs(xp, state, found_non_finite, grad_norm)
     old = {
         n: xp.asarray(getattr(state, n), dtype=f32_ if n in FLOAT_FIELDS else i32)
         for n in DATA_FIELDS
@@ -978,21 +1090,41 @@ def device_update(
     return ScalerState(cfg, failure=fail, **out)
 
 
-def _device_x(xp: Any, cfg: ScalerConfig, grad_norm: Any) -> Any:
-    """The step's norm as a 0-d float32 array of ``xp``, flushed as :func:`_ftz` does."""
+def _device_inputs(
+    xp: Any, state: ScalerState, found_non_finite: Any, grad_norm: Any
+) -> tuple[Any, Any]:
+    """``(found, x)``: the flag as a 0-d bool array of ``xp`` and the step's norm as
+    :func:`_device_x` makes it (``None`` with spike skipping off), after checking that
+    every device value among them and the state's fields comes from ``xp``'s library."""
+    found = xp.asarray(found_non_finite, dtype=bool)
+    ours = (module_library(found), "found_non_finite", found)
+    for name in DATA_FIELDS:
+        value = getattr(state, name)
+        library = array_library(value)
+        if library is not None and library != ours[0]:
+            raise mixed_error(ours, (library, f"state.{name}", value))
+    cfg = state.config
+    return found, None if cfg.spike_threshold is None else _device_x(xp, cfg, grad_norm, ours)
+
+
+def _device_x(xp: Any, cfg: ScalerConfig, grad_norm: Any, ours: tuple[str, str, Any]) -> Any:
+    """The step's norm as a 0-d float32 array of ``xp``, flushed as :func:`_ftz` does.
+
+    A device norm must come from ``ours[0]``, the library of the flag ``ours[2]``. A
+    negative device norm cannot be refused without reading it back (a host
+    synchronisation); it counts as NaN (no spike, statistics untouched), so a wrong
+    norm never moves the window.
+    """
     if grad_norm is None:
         raise norm_missing_error(cfg)
     value = host_norm(grad_norm)
     if value is None:
-        shape, dtype = getattr(grad_norm, "shape", None), getattr(grad_norm, "dtype", None)
-        name = str(dtype).removeprefix("torch.")
-        if shape is None or tuple(shape) != () or not name.startswith(("float", "bfloat")):
-            raise GradientTypeError(
-                f"grad_norm=<{type(grad_norm).__name__} shape={shape} dtype={dtype}>, "
-                f"but {NORM_MUST}"
-            )
-        value = grad_norm
-    return _device_ftz(xp, xp.asarray(value, dtype=xp.float32))
+        value = device_norm(grad_norm)
+        if array_library(value) != ours[0]:
+            raise mixed_error(ours, (module_library(value), "grad_norm", value))
+    x = xp.asarray(value, dtype=xp.float32)
+    x = xp.where(x < xp.float32(0.0), xp.float32(math.nan), x)
+    return _device_ftz(xp, x)
 
 
 def _device_ftz(xp: Any, value: Any) -> Any:

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import csv
 import dataclasses
+import inspect
 import io
 import json
 import math
@@ -49,7 +50,13 @@ from typing import Any
 
 from ._api import update
 from ._config import ScalerConfig
-from ._errors import InvalidArgumentError, InvalidConfigError, ScaleCollapseError, TraceError
+from ._errors import (
+    InvalidArgumentError,
+    InvalidConfigError,
+    InvalidStateError,
+    ScaleCollapseError,
+    TraceError,
+)
 from ._f32 import FLT_MAX, FLT_MIN
 from ._presets import preset
 from ._state import ScalerState, init, step_skipped
@@ -83,7 +90,8 @@ EXAMPLE_TRACES: Mapping[str, str] = {
 }
 
 #: ``policy(state, found) -> state``; ``policy(state, found, grad_norm)`` when the
-#: policy's config has spike skipping on.
+#: policy's config has spike skipping on (a two-argument policy runs there too: the
+#: spike decision is then the core's, see :func:`simulate`).
 Policy = Callable[..., ScalerState]
 PolicySpec = str | ScalerConfig | tuple[ScalerConfig, Policy]
 
@@ -224,11 +232,94 @@ def _resolve(name: str, spec: PolicySpec) -> tuple[ScalerConfig, Policy]:
         return spec, update
     match spec:
         case (ScalerConfig() as config, policy) if callable(policy):
-            return config, policy
+            return config, _calling(name, config, policy)
     raise InvalidArgumentError(
         f"policy {name!r}={spec!r}, but it must be a preset name, a ScalerConfig or a "
         f"(ScalerConfig, policy) pair with policy(state, found) -> state"
     )
+
+
+def _calling(name: str, config: ScalerConfig, policy: Policy) -> Policy:
+    """``policy`` as the replay calls it: ``(state, found)`` with spike skipping off,
+    ``(state, found, grad_norm)`` with it on, where a two-argument policy is run by
+    :func:`_spike_skipping`. A policy that cannot take its arguments is refused here,
+    before any step is replayed."""
+    try:
+        signature = inspect.signature(policy)
+    except (TypeError, ValueError):  # no signature to read (some builtins): call as documented
+        return policy
+    takes = {n for n in (_PLAIN, _SPIKING) if _binds(signature, n)}
+    spiking = config.spike_threshold is not None
+    if spiking and _SPIKING in takes:
+        return policy
+    if _PLAIN in takes:
+        return _spike_skipping(policy) if spiking else policy
+    if spiking:
+        called, fix = "policy(state, found, grad_norm)", "take (state, found), or add grad_norm"
+    elif _SPIKING in takes:
+        called = "policy(state, found)"
+        fix = "give grad_norm a default (grad_norm=None), or turn spike skipping on"
+    else:
+        called, fix = "policy(state, found)", "take (state, found)"
+    raise InvalidArgumentError(
+        f"policy {name!r} takes {_brief_signature(signature)}, but its config has spike "
+        f"skipping {'on' if spiking else 'off'}, so it is called as {called}: {fix}"
+    )
+
+
+#: How many arguments a policy is called with: (state, found), and (state, found, grad_norm).
+_PLAIN, _SPIKING = 2, 3
+
+
+def _binds(signature: inspect.Signature, n: int) -> bool:
+    try:
+        signature.bind(*range(n))
+    except TypeError:
+        return False
+    return True
+
+
+def _brief_signature(signature: inspect.Signature) -> str:
+    """``(state, found)``: the parameters' names, without annotations or defaults."""
+    return "(" + ", ".join(signature.parameters) + ")"
+
+
+def _spike_skipping(policy: Policy) -> Policy:
+    """A two-argument ``policy(state, found)`` under spike skipping.
+
+    It cannot see the norm, so the spike rule stays the core's: a step that
+    :func:`scaler_core.update` finds to be a spike is ``update``'s own
+    (``SPIKE_SKIP``: only the skip counters and the window move, and a passed
+    ``max_consecutive_skips`` raises), and ``policy`` is not called. Every other
+    step is ``policy``'s, run on the state with spike skipping off in its config
+    (so it may call ``update(state, found)`` as usual); its result gets the config
+    back and the window statistics ``update`` keeps (moved on a step with finite
+    gradients, left on one without).
+    """
+
+    def step(state: ScalerState, found: bool, grad_norm: float) -> ScalerState:
+        config = state.config
+        window = state
+        if not found:
+            window = update(state, False, grad_norm=grad_norm)
+            if window.last_step is StepKind.SPIKE_SKIP:
+                return window
+        plain = dataclasses.replace(config, spike_threshold=None)
+        new = policy(dataclasses.replace(state, config=plain), found)
+        if not isinstance(new, ScalerState):
+            raise InvalidStateError(
+                f"policy {policy!r} returned {new!r}, but it must return a ScalerState "
+                f"(build it with dataclasses.replace(state, ...))"
+            )
+        return dataclasses.replace(
+            new,
+            config=config,
+            norm_mean=window.norm_mean,
+            norm_var=window.norm_var,
+            norm_count=window.norm_count,
+        )
+
+    return step
 
 
 def simulate(
@@ -245,7 +336,12 @@ def simulate(
             :class:`ScalerConfig` or ``(config, policy)`` for a user's own
             transition; or just preset names. A policy whose config has spike
             skipping on is called with each step's ``grad_norm`` as a third
-            argument.
+            argument; a two-argument ``policy(state, found)``, which cannot see
+            the norm, runs under the core's spike rule: a spike step is
+            :func:`scaler_core.update`'s (only the skip counters and the window
+            move) and the policy is not called; every other step is the
+            policy's, on the state with ``spike_threshold=None`` in its config,
+            and the window statistics are kept as ``update`` keeps them.
         dtype: Gradient dtype for ``max_abs_grad`` traces (``float16``,
             ``bfloat16``, ``float32``).
 
@@ -254,9 +350,10 @@ def simulate(
 
     Raises:
         InvalidConfigError: An unknown preset name.
-        InvalidArgumentError: A bad spec or dtype, or no policies.
-        TraceError: A policy has spike skipping on and the trace has no
-            ``grad_norm``.
+        InvalidArgumentError: A bad spec or dtype, no policies, or a policy that
+            cannot be called with the arguments its config needs.
+        TraceError: A policy has spike skipping on, or the trace's
+            ``recorded_with`` has, and the trace has no ``grad_norm``.
     """
     if dtype not in DTYPE_MAX:
         raise InvalidArgumentError(f"dtype={dtype!r}, but it must be one of {sorted(DTYPE_MAX)}")
@@ -266,6 +363,14 @@ def simulate(
     if not specs:
         raise InvalidArgumentError("policies is empty, but it must name at least one policy")
     resolved = {name: _resolve(name, spec) for name, spec in specs.items()}
+    recorded = trace.recorded_with
+    if trace.grad_norm is None and recorded is not None and recorded.spike_threshold is not None:
+        raise TraceError(
+            f"trace {trace.name!r} was recorded with spike skipping on (its recorded_with has "
+            f"spike_threshold={recorded.spike_threshold!r}), but it has no grad_norm list, "
+            f"which replaying the recording needs; add the recorded run's per-step gradient "
+            f"norms as a grad_norm list, or take spike_threshold out of recorded_with"
+        )
     if trace.grad_norm is None:
         spiking = [n for n, (cfg, _) in resolved.items() if cfg.spike_threshold is not None]
         if spiking:

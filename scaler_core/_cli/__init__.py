@@ -18,13 +18,14 @@ from __future__ import annotations
 import argparse
 import importlib
 import os
+import re
 import sys
 from collections.abc import Sequence
 from typing import NoReturn
 
 from scaler_core._errors import ScalerError
 
-__all__ = ["COMMANDS", "build_parser", "main"]
+__all__ = ["COMMANDS", "build_parser", "main", "plain_text"]
 
 #: Modules that each add one subcommand with ``add_parser(subparsers)``.
 COMMANDS: tuple[str, ...] = ("scaler_core._cli.demo", "scaler_core._cli.simulate")
@@ -43,6 +44,31 @@ class _Parser(argparse.ArgumentParser):
 
 def _one_line(message: str) -> str:
     return " ".join(message.split())
+
+
+#: reStructuredText in the docstrings that help texts are taken from: a role
+#: (:func:`~a.b`, whose ``~`` keeps the last name), a ``literal``, `interpreted`
+#: text, *emphasis* and **strong** (a word right after the opening star), and an
+#: escaped space (``\ ``, which joins a word to the markup before it).
+_ROLE = re.compile(r":\w+:`(~)?([^`]*)`")
+_LITERAL = re.compile(r"``([^`]*)``")
+_INTERPRETED = re.compile(r"`([^`]*)`")
+_STRONG = re.compile(r"(?<![\w*])\*\*(\S[^*]*?)\*\*(?![\w*])")
+_EMPHASIS = re.compile(r"(?<![\w*])\*(\S[^*]*?)\*(?![\w*])")
+
+
+def plain_text(rst: str) -> str:
+    """``rst`` (a docstring's reStructuredText) as plain text for a ``--help`` page.
+
+    >>> plain_text("the ``max_abs_grad`` of :class:`~scaler_core.ScalerState`, a *trace*")
+    'the max_abs_grad of ScalerState, a trace'
+    """
+    text = _ROLE.sub(lambda m: m.group(2).rpartition(".")[2] if m.group(1) else m.group(2), rst)
+    text = _LITERAL.sub(r"\1", text)
+    text = _INTERPRETED.sub(r"\1", text)
+    text = _STRONG.sub(r"\1", text)
+    text = _EMPHASIS.sub(r"\1", text)
+    return text.replace("\\ ", "")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -26,6 +26,7 @@ from scaler_core.simulate import (
     simulate,
 )
 
+from . import plain_text
 from ._files import PLOT_FORMATS, check_output, write
 from ._plot import pyplot
 
@@ -115,7 +116,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     parser: argparse.ArgumentParser = subparsers.add_parser(
         "simulate",
         help="replay a trace under several loss-scale policies and compare them",
-        description=library.__doc__.split("\n\n")[1] if library.__doc__ else None,
+        description=plain_text(library.__doc__.split("\n\n")[1]) if library.__doc__ else None,
     )
     parser.add_argument(
         "trace",
@@ -167,6 +168,12 @@ def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
     if args.spike_threshold is not None or args.spike_window is not None:
         specs = {name: _with_spikes(spec, args) for name, spec in specs.items()}
     trace = load_trace(args.trace)
+    if args.spike_threshold is not None and trace.grad_norm is None:
+        raise InvalidArgumentError(
+            f"--spike-threshold {args.spike_threshold:g} needs each step's gradient norm, but "
+            f"trace {trace.name!r} has no grad_norm column (CSV) or list (JSON); record it, "
+            f"or leave out --spike-threshold"
+        )
     results = simulate(trace, specs, dtype=args.dtype)
     if args.json:
         recorded = trace.recorded_with

@@ -25,7 +25,7 @@ from typing import Any, NamedTuple
 import ml_dtypes
 import numpy as np
 
-from .._backend import Backend, get_backend
+from .._backend import Backend, get_backend, missing_members
 from .._config import ScalerConfig
 from .._errors import (
     BackendContractError,
@@ -192,8 +192,12 @@ _BAD_FLAGS = (1, 0.0, None, "yes", np.array([True]))
 
 def _check_protocol(c: _Check) -> None:
     """The object has every method of the protocol and a non-empty ``name``."""
-    if not isinstance(c.backend, Backend):
-        raise c.fail("it lacks a method of the Backend protocol")
+    missing = missing_members(c.backend)
+    if missing:
+        raise c.fail(
+            f"it lacks {missing} of the Backend protocol (members served by __getattr__ "
+            f"do not count: define them on its class)"
+        )
     if not isinstance(c.backend.name, str) or not c.backend.name:
         raise c.fail(f"name={c.backend.name!r} is not a non-empty str")
 

@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 
 import scaler_core as sc
+from scaler_core._backend import BACKEND_MEMBERS
 from scaler_core.testing import BACKEND_CHECKS, check_backend
 
 
@@ -75,7 +76,12 @@ def test_the_default_numpy_backend_is_the_numba_one_when_numba_is_there() -> Non
 
 # ------------------------------------------------------ the suite can fail
 class _Delegating:
-    """The reference backend with one method replaced: a broken third-party backend."""
+    """The reference backend with one method replaced: a broken third-party backend.
+
+    Every protocol method is defined on the class (made below from the protocol's
+    member list), never served by ``__getattr__``: from Python 3.12 on, neither
+    ``isinstance(x, Backend)`` nor scaler-core would see it there.
+    """
 
     name = "broken"
 
@@ -83,30 +89,20 @@ class _Delegating:
         self._inner = _reference()
         self._replaced = replaced
 
-    def __getattr__(self, attr: str) -> Any:
+    def _method(self, attr: str) -> Any:
         return self._replaced.get(attr, getattr(self._inner, attr))
 
-    # The protocol's methods, so isinstance(..., Backend) holds.
-    def unscale(self, grads: Any, scale: Any) -> Any:
-        return self.__getattr__("unscale")(grads, scale)
 
-    def find_non_finite(self, grads: Any) -> Any:
-        return self.__getattr__("find_non_finite")(grads)
+def _delegate(attr: str) -> Callable[..., Any]:
+    def method(self: _Delegating, *args: Any, **kwargs: Any) -> Any:
+        return self._method(attr)(*args, **kwargs)
 
-    def scale_loss(self, loss: Any, scale: Any) -> Any:
-        return self.__getattr__("scale_loss")(loss, scale)
+    method.__name__ = attr
+    return method
 
-    def select(self, found: Any, on_skip: Any, on_step: Any) -> Any:
-        return self.__getattr__("select")(found, on_skip, on_step)
 
-    def any(self, *flags: Any) -> Any:
-        return self.__getattr__("any")(*flags)
-
-    def to_bool(self, found: Any) -> bool:
-        return bool(self.__getattr__("to_bool")(found))
-
-    def update(self, state: Any, found: Any) -> Any:
-        return self.__getattr__("update")(state, found)
+for _attr in (m for m in BACKEND_MEMBERS if m != "name"):
+    setattr(_Delegating, _attr, _delegate(_attr))
 
 
 def _unscale_in_float16(grads: Any, scale: Any) -> Any:
@@ -166,3 +162,35 @@ def test_check_backend_needs_conversions_for_a_library_it_does_not_know() -> Non
 def test_check_backend_refuses_an_unknown_check() -> None:
     with pytest.raises(sc.InvalidArgumentError, match=r"names \['nope'\]"):
         check_backend("numpy", only=["nope"])
+
+
+# ------------------------------------- what makes a backend, on every Python
+class _Served:
+    """Every Backend member served by ``__getattr__``, as a proxy or a lazy module does.
+
+    Python 3.11's ``isinstance(x, Backend)`` followed ``__getattr__``; from 3.12 on
+    ``runtime_checkable`` protocols look members up statically and do not. scaler-core's
+    own check must not follow either Python: it looks statically on every version.
+    """
+
+    name = "served"
+
+    def __getattr__(self, attr: str) -> Any:
+        return getattr(_reference(), attr)
+
+
+def test_members_served_by_getattr_make_no_backend_on_any_python() -> None:
+    served = _Served()
+    with pytest.raises(sc.InvalidArgumentError, match=r"lacks .*'unscale'.*__getattr__"):
+        sc.get_backend(served)  # type: ignore[arg-type]
+    with pytest.raises(sc.InvalidArgumentError, match=r"'unscale'.*__getattr__"):
+        check_backend(served, only=["protocol"], asarray=np.array, to_numpy=np.asarray)  # type: ignore[arg-type]
+    with pytest.raises(sc.InvalidArgumentError, match="__getattr__"):
+        sc.unscale([np.ones(2, np.float32)], 2.0, backend=served)  # type: ignore[arg-type]
+
+
+def test_a_backend_defining_its_members_passes_on_every_python() -> None:
+    broken = _Delegating()
+    assert sc.get_backend(broken) is broken  # type: ignore[arg-type]
+    assert isinstance(broken, sc.Backend)  # Python's own check agrees with ours
+    assert check_backend(broken, only=["protocol"], asarray=np.array, to_numpy=np.asarray)  # type: ignore[arg-type]

@@ -430,3 +430,120 @@ def test_spike_options_on_a_trace_without_grad_norm_say_what_is_missing(tmp_path
     assert out.returncode == 2
     assert "grad_norm" in out.stderr
     assert len(out.stderr.strip().splitlines()) == 1
+
+
+# ------------------------------------------- your own policy under spike skipping
+_SPIKY = sc.preset("torch", spike_threshold=4.0, spike_window=8)
+_CAP = 2.0**14
+
+
+def _capped(state: sc.ScalerState, found: bool) -> sc.ScalerState:
+    """The documented two-argument policy: the built-in rule, never above 2**14."""
+    new = sc.update(state, found)
+    return dataclasses.replace(new, scale=min(new.scale, _CAP))
+
+
+def test_a_two_argument_policy_replays_under_spike_skipping(tmp_path: Path) -> None:
+    trace = load_trace(_spike_csv(tmp_path / "t.csv"))
+    seen: list[sc.ScalerConfig] = []
+
+    def watched(state: sc.ScalerState, found: bool) -> sc.ScalerState:
+        seen.append(state.config)
+        return _capped(state, found)
+
+    results = simulate(trace, {"capped": (_SPIKY, watched), "spiky": _SPIKY})
+    capped, spiky = results["capped"], results["spiky"]
+    # The spike decision is the core's: the same steps as the built-in rule skips.
+    assert (capped.spike_skips, capped.skipped_steps) == (spiky.spike_skips, 2)
+    assert capped.scales == (65536.0,) + (_CAP,) * 39
+    # The policy runs on every other step, and sees a config it can hand to update().
+    assert len(seen) == 38
+    assert all(c.spike_threshold is None for c in seen)
+    assert all(c == dataclasses.replace(_SPIKY, spike_threshold=None) for c in seen)
+
+
+def test_a_two_argument_policy_keeps_the_window_the_core_keeps(tmp_path: Path) -> None:
+    trace = load_trace(_spike_csv(tmp_path / "t.csv"))
+    assert trace.grad_norm is not None
+    last: list[sc.ScalerState] = []
+
+    def recording(state: sc.ScalerState, found: bool, grad_norm: float) -> sc.ScalerState:
+        new = sc.update(state, found, grad_norm=grad_norm)
+        last.append(new)
+        return new
+
+    results = simulate(trace, {"plain": (_SPIKY, sc.update), "rec": (_SPIKY, recording)})
+    assert results["plain"] == dataclasses.replace(results["rec"], name="plain")
+    state = sc.init(_SPIKY)
+    for norm in trace.grad_norm:
+        state = sc.update(state, False, grad_norm=norm)
+    assert last[-1] == state
+
+
+def test_the_command_line_takes_a_two_argument_policy_with_spike_options(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    trace = _spike_csv(tmp_path / "t.csv")
+    (tmp_path / "two_arg_policies.py").write_text(
+        "import dataclasses\n"
+        "import scaler_core as sc\n\n\n"
+        "def capped(state, found):\n"
+        "    new = sc.update(state, found)\n"
+        "    return dataclasses.replace(new, scale=min(new.scale, 2.0**14))\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    argv = ["simulate", str(trace), "--policy", "two_arg_policies:capped", "--json"]
+    assert main([*argv, "--spike-threshold", "4", "--spike-window", "8"]) == 0
+    (policy,) = json.loads(capsys.readouterr().out)["policies"]
+    assert (policy["policy"], policy["spike_skips"], policy["final_scale"]) == ("capped", 2, _CAP)
+
+
+@pytest.mark.parametrize(
+    ("policy", "spiking", "says"),
+    [
+        (lambda state, found, grad_norm: state, False, "takes (state, found, grad_norm)"),
+        (lambda state: state, False, "takes (state)"),
+        (lambda state: state, True, "takes (state)"),
+        (lambda state, found, grad_norm, extra: state, True, "takes (state, found, grad_norm"),
+    ],
+)
+def test_a_policy_that_cannot_take_its_arguments_is_refused_before_replaying(
+    policy: Any, spiking: bool, says: str
+) -> None:
+    trace = Trace(found=(False, False), grad_norm=(1.0, 1.0))
+    config = _SPIKY if spiking else sc.preset("torch")
+    with pytest.raises(sc.InvalidArgumentError) as err:
+        simulate(trace, {"mine": (config, policy)})
+    message = str(err.value)
+    assert "policy 'mine'" in message
+    assert says in message
+    assert "policy(state, found" in message  # what it must take
+
+
+def _recorded_json(path: Path, *, norms: bool) -> Path:
+    data: dict[str, Any] = {
+        "found": [False] * 10 + [True] + [False] * 9,
+        "recorded_with": {"init_scale": 1024.0, "spike_threshold": 3.0, "spike_window": 4},
+    }
+    if norms:
+        data["grad_norm"] = [1.0] * 20
+    path.write_text(json.dumps(data), encoding="utf-8")
+    return path
+
+
+def test_a_trace_recorded_with_spike_skipping_needs_its_norms(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = _recorded_json(tmp_path / "rec.json", norms=False)
+    with pytest.raises(TraceError) as err:
+        simulate(load_trace(path), ["torch"])
+    for words in ("recorded_with", "spike_threshold=3.0", "grad_norm", "trace 'rec'"):
+        assert words in str(err.value), words
+    assert "unscale_and_norm" not in str(err.value)  # advice for library code, not here
+    assert main(["simulate", str(path), "--policy", "torch"]) == 2
+    out = capsys.readouterr().err
+    assert out.count("\n") == 1
+    assert "recorded_with" in out
+    assert "grad_norm" in out
+    with_norms = _recorded_json(tmp_path / "ok.json", norms=True)
+    assert simulate(load_trace(with_norms), ["torch"])["torch"].matches_recording is False

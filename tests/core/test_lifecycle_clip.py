@@ -2,8 +2,15 @@
 
 from __future__ import annotations
 
+import math
+import warnings
+from collections.abc import Callable
+from typing import Any
+
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import scaler_core as sc
 
@@ -101,3 +108,81 @@ def test_spike_skipping_without_a_norm_is_refused_with_the_fix() -> None:
     scaler.unscale([np.ones(3, np.float32)])
     with pytest.raises(sc.InvalidArgumentError, match="unscale_and_norm"):
         scaler.should_skip_step()
+
+
+# Group norms whose squares overflow or underflow float32, next to ordinary ones.
+EXTREMES = [
+    (3e19, 3e19),
+    (1e-23, 1e-23),
+    (3e38, 3e38),
+    (3e38, 1e-38),
+    (1e-45, 1e-45),
+    (3.0, 4.0),
+    (0.0, 0.0),
+    (0.0, 2e-30),
+    (1.0, 2.0, 3e19, 1e-23),
+    (math.inf, 1.0),
+    (math.nan, 1.0),
+]
+
+
+def _arrays(library: str) -> Callable[[float], Any]:
+    if library == "torch":
+        torch = pytest.importorskip("torch")
+        return lambda x: torch.tensor([x], dtype=torch.float32)
+    if library == "jax":
+        pytest.importorskip("jax")
+        import jax.numpy as jnp
+
+        return lambda x: jnp.asarray([x], jnp.float32)
+    return lambda x: np.array([x], np.float32)
+
+
+def _reference(norms: list[float]) -> np.float32:
+    """The norm of the groups' norms as one vector: exact in math, rounded once."""
+    if any(math.isnan(n) for n in norms):
+        return np.float32(math.nan)
+    with np.errstate(over="ignore"):  # above float32's largest: inf, as for one vector
+        return np.float32(math.hypot(*norms))
+
+
+@pytest.mark.parametrize("library", ["numpy", "torch", "jax"])
+@pytest.mark.parametrize("planted", EXTREMES, ids=repr)
+def test_group_norms_combine_as_one_vector_even_at_the_extremes(
+    library: str, planted: tuple[float, ...]
+) -> None:
+    array = _arrays(library)
+    scaler = sc.GradScaler(sc.ScalerConfig(init_scale=1.0))
+    groups = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no overflow or underflow warning either
+        for i, value in enumerate(planted):
+            scaler.unscale_and_norm([array(value)], group=i)
+            groups.append(float(scaler._norms[i]))
+        total = np.float32(float(scaler.grad_norm))
+    if library != "jax":  # JAX without float64 sums each group in float32 (stated)
+        assert np.array_equal(groups, np.float32(planted), equal_nan=True)
+    expected = _reference(groups)
+    assert total.tobytes() == expected.tobytes() or (np.isnan(total) and np.isnan(expected)), (
+        planted,
+        total,
+        expected,
+    )
+
+
+@settings(max_examples=60)
+@given(
+    st.lists(
+        st.floats(0.0, 3.3999999521443642e38, width=32, allow_subnormal=True)
+        | st.sampled_from([3e19, 1e-23]),
+        min_size=2,
+        max_size=5,
+    )
+)
+def test_group_norms_combine_within_one_ulp_of_the_exact_norm(norms: list[float]) -> None:
+    scaler = sc.GradScaler(sc.ScalerConfig(init_scale=1.0))
+    for i, value in enumerate(norms):
+        scaler.unscale_and_norm([np.array([value], np.float32)], group=i)
+    total = np.float32(scaler.grad_norm)
+    expected = _reference([float(np.float32(v)) for v in norms])
+    assert abs(int(total.view(np.int32)) - int(expected.view(np.int32))) <= 1, (norms, total)

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import ast
 import importlib.util
+import itertools
 import re
 import shlex
 import subprocess
@@ -437,3 +438,45 @@ def test_every_test_the_guarantees_name_exists() -> None:
         source = (ROOT / path).read_text(encoding="utf-8")
         if test:
             assert re.search(rf"^(def {test}\(|{test} = )", source, flags=re.M), f"{path}::{test}"
+
+
+@pytest.mark.parametrize("page", PAGES, ids=_name)
+def test_no_table_is_cut_in_two(page: Path) -> None:
+    """A table row after a paragraph line renders as text: a table cut by a paragraph."""
+    lines = page.read_text(encoding="utf-8").splitlines()
+    fenced = False
+    for i, (before, line) in enumerate(itertools.pairwise(["", *lines]), start=1):
+        if line.startswith("```"):
+            fenced = not fenced
+        if fenced or not line.startswith("|"):
+            continue
+        assert before.startswith(("|", "#")) or not before.strip(), (
+            f"{_name(page)} line {i}: a table row right after a line of text"
+        )
+
+
+#: How the package's descriptions name each built-in backend's library.
+_LIBRARY_NAMES = {"numpy": "NumPy", "cupy": "CuPy", "jax": "JAX", "torch": "PyTorch"}
+
+
+def test_the_package_descriptions_name_every_built_in_backend() -> None:
+    """pyproject.toml's description and the package docstrings list the libraries served."""
+    import tomllib
+
+    from scaler_core import _backend
+
+    assert set(_LIBRARY_NAMES) <= set(_backend._REGISTRY)
+    pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))
+    texts = {
+        "pyproject.toml description": pyproject["project"]["description"],
+        "scaler_core/__init__.py": ast.get_docstring(
+            ast.parse((ROOT / "scaler_core" / "__init__.py").read_text(encoding="utf-8"))
+        ),
+        "backends/__init__.py": ast.get_docstring(
+            ast.parse((ROOT / "backends" / "__init__.py").read_text(encoding="utf-8"))
+        ),
+    }
+    for where, text in texts.items():
+        words = " ".join(str(text).split())
+        missing = [n for lib, n in _LIBRARY_NAMES.items() if n not in words and lib not in words]
+        assert not missing, f"{where} leaves out {missing}: {words[:120]}"

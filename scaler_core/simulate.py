@@ -302,7 +302,7 @@ def _spike_skipping(policy: Policy) -> Policy:
         window = state
         if not found:
             window = update(state, False, grad_norm=grad_norm)
-            if window.last_step is StepKind.SPIKE_SKIP:
+            if step_skipped(window):  # a spike: finite gradients, skipped
                 return window
         plain = dataclasses.replace(config, spike_threshold=None)
         new = policy(dataclasses.replace(state, config=plain), found)
@@ -415,7 +415,9 @@ def _replay(
             break
         scales.append(scale)
         overflowed.append(found)
-        if step_skipped(new):
+        # A non-finite step is skipped under every rule; a policy of the user's may not
+        # record its kind in last_kind, so the flag counts by itself too.
+        if found or step_skipped(new):
             skipped += 1
             spike_skips += not found  # skipped with finite gradients: a spike
         state = new

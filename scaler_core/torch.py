@@ -580,16 +580,16 @@ class GradScaler(torch.amp.GradScaler):
         with: PyTorch's checks of a tensor first (its messages), then the float32 value
         the scale would hold, against every scale's rule and the config's bounds."""
         if isinstance(new_scale, torch.Tensor):
-            reason = (  # PyTorch's error
+            reason = (
                 "new_scale should be a float or a 1-element torch.cuda.FloatTensor or "
                 "torch.FloatTensor with requires_grad=False."
             )
             if new_scale.device.type != self._device:
-                raise AssertionError(reason)
+                raise AssertionError(reason)  # PyTorch's error
             if new_scale.numel() != 1:
-                raise AssertionError(reason)
+                raise AssertionError(reason)  # PyTorch's error
             if new_scale.requires_grad is True:
-                raise AssertionError(reason)
+                raise AssertionError(reason)  # PyTorch's error
             if new_scale.device.type != "cpu":
                 return new_scale  # read, it would synchronise: taken as PyTorch takes it
             # The value PyTorch's copy_ would store (and its error for a bad shape).

@@ -95,11 +95,11 @@ def measure(prepared: Plan, inv: float) -> tuple[bool, list[float]]:
     """Whether any ``x * inv`` is NaN or +-inf, and the float64 sums of squares of the
     products (rounded to each tensor's dtype) by chunk. Reads only.
 
-    When ``inv`` is a power of two no larger than 1 and the tensors are float32 or
-    float64, each product is ``x`` times ``inv`` exactly (short of the subnormal range),
-    so the squares of ``x`` are summed and the sums scaled by ``inv**2`` (exact in
-    float64): one multiply fewer per chunk. A norm so small that rounding in the
-    subnormal range could matter is measured again from the products.
+    When ``inv`` is a power of two no larger than 1, each float32 product is ``x``
+    times ``inv`` exactly (short of the subnormal range), so the squares of ``x`` are
+    summed and the sums scaled by ``inv**2`` (exact in float64): one multiply fewer per
+    chunk. A norm so small that rounding in the subnormal range could matter is
+    measured again from the products.
     """
     if 0.0 < inv <= 1.0 and math.frexp(inv)[0] == _POWER_OF_TWO_MANTISSA:
         found, sums = _measure(prepared, inv, scaled=True)
@@ -115,7 +115,9 @@ def _measure(prepared: Plan, inv: float, *, scaled: bool) -> tuple[bool, list[fl
         for dtype, (chunks, _, small) in prepared.groups.items():
             scratch = torch.empty(_CHUNK, dtype=dtype)
             wide = torch.empty(_CHUNK, dtype=torch.float64)
-            exact = scaled and dtype not in _HALF  # half products round: always multiply
+            # float32 only: half products round, and float64 squares of the scaled values
+            # can overflow where the products' squares do not
+            exact = scaled and dtype is torch.float32
             factor = inv * inv if exact else 1.0
             for part in chunks:
                 prod = part if exact else torch.mul(part, inv, out=scratch[: part.numel()])

@@ -825,3 +825,28 @@ def test_torch_cpu_clip_without_numba_leaves_shared_and_strided_tensors_to_numpy
         _, _, norm = TORCH.unscale_clip(tensors, 64.0, 1.0)
         _, _, w_norm = REFERENCE.unscale_clip(copies, 64.0, 1.0)
         assert float(norm) == float(w_norm)
+
+
+@pytest.mark.parametrize(
+    ("magnitude", "dtype"), [(1e-35, "float32"), (3e156, "float64"), (1e30, "float32")]
+)
+def test_torch_cpu_clip_without_numba_at_the_edges_of_the_range(
+    monkeypatch: pytest.MonkeyPatch, magnitude: float, dtype: str
+) -> None:
+    """Products in float32's subnormal range (rounded there: the norm is measured from
+    the products), float64 values whose squares overflow before unscaling, and a norm
+    beyond float32: the reference's bits, flag and norm."""
+    torch = pytest.importorskip("torch")
+    from scaler_core.backends import _numpy
+    from scaler_core.backends._torch import BACKEND as TORCH
+
+    monkeypatch.setattr(_numpy, "BACKEND", fused.NumpyBackend(use_numba=False))
+    rng = np.random.default_rng(11)
+    values = rng.standard_normal(200_000) * magnitude
+    tensors = [torch.from_numpy(values.astype(dtype)), torch.from_numpy(values[:77].astype(dtype))]
+    hosts = [_host(t) for t in tensors]
+    _, found, norm = TORCH.unscale_clip(tensors, 2.0**16, 1e-30)
+    _, w_found, w_norm = REFERENCE.unscale_clip(hosts, 2.0**16, 1e-30)
+    assert bool(found) == bool(w_found)
+    assert np.float32(norm).tobytes() == np.float32(w_norm).tobytes()
+    assert _bits([_host(t) for t in tensors]) == _bits(hosts)

@@ -520,12 +520,15 @@ class NumpyBackend(NumpyReferenceBackend):
 
 # -- the numba path -----------------------------------------------------------
 
-#: The process whose numba threads have started (None: not yet). A child forked after
-#: that inherits a thread pool that is not there: GNU OpenMP kills it at its first
+#: The process whose numba threads have started (None: not yet; -1: they could not
+#: start, and every process runs the one-thread kernels). A child forked after that
+#: inherits a thread pool that is not there: GNU OpenMP kills it at its first
 #: parallel region ("fork() called from a process already using GNU OpenMP"). So a
 #: forked child (multiprocessing's default start on Linux, data loaders) runs the
 #: one-thread kernels: the same results, on one core.
 _THREADS_PID: list[int | None] = [None]
+#: Held while the threads start, so two first callers start them once.
+_START_LOCK = threading.Lock()
 
 
 #: A float32 subnormal: multiplied by 1 in the calling thread it stays itself, unless
@@ -538,24 +541,36 @@ def _flushes_subnormals() -> bool:
     return bool(_SUBNORMAL * _ONE == 0)
 
 
-def _use_threads(nbytes: int) -> bool:
+def _use_threads(kernels: ModuleType, nbytes: int) -> bool:
     """Whether a set of ``nbytes`` runs on all threads, here, in this process.
 
     Not when the calling thread flushes subnormals: numba's threads keep the mode
     they started with, while NumPy (the reference) computes in the caller's mode. On
     the calling thread the kernels give the reference's results in every mode.
+
+    The first time it says yes, numba's threads are started from a thread of their
+    own (:func:`_numpy_kernels.start_threads`), before any parallel kernel runs, so
+    the caller's OpenMP and PyTorch thread counts stay as they are. Where they
+    cannot start (no threading layer loads), the one-thread kernels serve.
     """
     if nbytes < _PARALLEL_MIN_BYTES or _flushes_subnormals():
         return False
     pid = os.getpid()
     if _THREADS_PID[0] is None:
-        _THREADS_PID[0] = pid
+        with _START_LOCK:
+            if _THREADS_PID[0] is None:
+                try:
+                    kernels.start_threads()
+                except Exception:  # no threading layer: the same results on one thread
+                    _THREADS_PID[0] = -1
+                else:
+                    _THREADS_PID[0] = pid
     return _THREADS_PID[0] == pid
 
 
 def _numba_unscale(k: ModuleType, plan: _Plan, inv: float) -> bool:
     found = False
-    parallel = _use_threads(plan.nbytes)
+    parallel = _use_threads(k, plan.nbytes)
     for dtype, table in plan.tables.items():
         if dtype in _EXPONENT:
             continue
@@ -572,7 +587,7 @@ def _numba_unscale(k: ModuleType, plan: _Plan, inv: float) -> bool:
 
 
 def _numba_detect(k: ModuleType, plan: _Plan) -> bool:
-    parallel = _use_threads(plan.nbytes)
+    parallel = _use_threads(k, plan.nbytes)
     for dtype, table in plan.tables.items():
         n = table.addrs.size
         step = max(1, _DETECT_BATCH_BYTES // _CHUNK_BYTES) if parallel else max(1, n)
@@ -709,7 +724,7 @@ def _half_norm(
 def _numba_norm(k: ModuleType, plan: _Plan, inv: float, write: bool) -> tuple[bool, list[float]]:
     found = False
     sums: list[float] = []
-    parallel = _use_threads(plan.nbytes)
+    parallel = _use_threads(k, plan.nbytes)
     for dtype, table in plan.tables.items():
         if dtype in _EXPONENT:
             continue
@@ -796,7 +811,7 @@ def _clip(
 ) -> None:
     """The second pass: store ``(x * inv) * coef`` (two roundings) in every element."""
     if kernels is not None and isinstance(prepared, _Plan):
-        parallel = _use_threads(prepared.nbytes)
+        parallel = _use_threads(kernels, prepared.nbytes)
         for dtype, table in prepared.tables.items():
             if dtype in _EXPONENT:
                 continue

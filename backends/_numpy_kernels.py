@@ -14,7 +14,8 @@ would widen ``a & mask`` to int64, which AVX2 cannot max-reduce in vectors).
 Parallel kernels spread work items over the threads in one parallel region per
 call: with many regions per call (one per array), a thread descheduled by
 another busy process stalls every region, and a call took 10-50x longer on a
-loaded machine.
+loaded machine. numba's threads are started by :func:`start_threads` before the
+first parallel kernel runs, so that starting them changes no setting of the caller.
 """
 
 # numba's partial type hints do not describe carray or intrinsics; the kernels
@@ -22,6 +23,7 @@ loaded machine.
 # mypy: disable-error-code="attr-defined,call-arg,no-any-return"
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 import numba
@@ -47,6 +49,7 @@ __all__ = [
     "norm_array",
     "norm_items",
     "norm_items_parallel",
+    "start_threads",
     "unscale",
     "unscale_array",
     "unscale_parallel",
@@ -64,6 +67,38 @@ def _voidptr(typingctx: Any, addr: Any) -> Any:
         return builder.inttoptr(args[0], context.get_value_type(types.voidptr))
 
     return sig, codegen
+
+
+def start_threads() -> None:
+    """Start numba's threads from a short-lived thread of their own.
+
+    numba starts its threads at the first parallel kernel of a process, in the thread
+    that calls it, and its OpenMP layer then sets that thread's OpenMP thread count
+    to numba's (``omp_set_num_threads``; all cores by default) and turns nesting on.
+    Where the process has one OpenMP runtime for numba and PyTorch (numba's calls
+    bind to the runtime PyTorch loaded), that count is PyTorch's intra-op count:
+    ``torch.set_num_threads(1)`` before, every core after, and several ranks on a
+    node oversubscribe it. Both settings belong to the thread that makes the call,
+    so a start from a thread that then ends leaves every caller's settings alone;
+    each parallel region is given numba's own count (``numba.get_num_threads()`` of
+    the calling thread) by numba itself.
+
+    Raises:
+        Exception: what numba raises when no threading layer loads.
+    """
+    errors: list[BaseException] = []
+
+    def start() -> None:
+        try:
+            numba.get_num_threads()  # starts the threads, once per process
+        except BaseException as exc:  # handed to the caller's thread
+            errors.append(exc)
+
+    starter = threading.Thread(target=start, name="scaler-core-numba-start", daemon=True)
+    starter.start()
+    starter.join()
+    if errors:
+        raise errors[0]
 
 
 @njit(cache=True, fastmath=_FLAGS, nogil=True)

@@ -54,14 +54,17 @@ from scaler_core._f32 import FLT_MIN
 from scaler_core._state import ScalerState, device_update, require_state
 from scaler_core._tree import leaves_with_paths, map_pairs
 
+from . import _torch_host
 from ._common import (
     CLIP_EPS,
     LeafKind,
     check_select_pair,
+    clip_coefficient,
     flag_error,
     host_flag,
     inv_scale_of,
     max_norm_of,
+    norm_of_sums,
 )
 
 __all__ = [
@@ -453,15 +456,46 @@ def _views(values: Sequence[torch.Tensor]) -> list[np.ndarray]:
 
 
 def _host_route(
-    leaves: Sequence[tuple[str, torch.Tensor]], scale: Any
-) -> tuple[list[np.ndarray], float] | None:
+    leaves: Sequence[tuple[str, torch.Tensor]], scale: Any, *, torch_kernels: bool = False
+) -> tuple[list[np.ndarray] | _torch_host.Plan, float] | None:
     """NumPy views of the gradients and the scale as a float, when every gradient is a
     dense CPU tensor and the scale is on the host: then the NumPy kernels serve (one
-    pass for the norm, and no write on a skipped step). ``None`` otherwise."""
+    pass for the norm, and no write on a skipped step). ``None`` otherwise.
+
+    With ``torch_kernels``, where numba is missing (the NumPy path would run on one
+    thread, slower than PyTorch's own pair), the tensors themselves, each once, for
+    :mod:`._torch_host` (PyTorch's kernels, the same results), planned, when it serves
+    them.
+    """
     if not all(t.device.type == "cpu" and t.layout is torch.strided for _, t in leaves):
         return None
     host = _host_scale(scale)
-    return None if host is None else (_views([t for _, t in leaves]), host)
+    if host is None:
+        return None
+    if torch_kernels:
+        from ._numpy import BACKEND as NUMPY  # noqa: PLC0415 - loaded with its kernels
+
+        if NUMPY.path != "numba":
+            tensors = list({id(t): t for _, t in leaves}.values())
+            prepared = _torch_host.plan(tensors)
+            if prepared is not None:
+                return prepared, host
+    return _views([t for _, t in leaves]), host
+
+
+def _torch_host_clip(
+    prepared: _torch_host.Plan, host: float, limit: float, decide: Callable[[Any], Any]
+) -> np.float32:
+    """:meth:`NumpyBackend.unscale_clip`'s steps, on PyTorch's kernels: one read for the
+    flag and the norm, then (unless ``decide`` says skip) one write of the clip."""
+    inv = inv_scale_of(host)
+    found, sums = _torch_host.measure(prepared, inv)
+    norm = norm_of_sums(sums)
+    if not decide(np.bool_(found)):
+        coef = clip_coefficient(norm, limit)
+        if inv != 1.0 or coef != 1.0:  # else nothing would change: write nothing
+            _torch_host.write_clip(prepared, inv, float(coef))
+    return norm
 
 
 def _norm(
@@ -547,12 +581,16 @@ def _put(grads: Any, replaced: dict[int, torch.Tensor]) -> Any:
     return map_pairs(lambda _, a, b: replaced.get(id(b), b), grads, grads, "grads")
 
 
-def _route(leaves: Sequence[_Leaf], scale: Any) -> tuple[list[np.ndarray], float] | None:
+def _route(
+    leaves: Sequence[_Leaf], scale: Any, *, torch_kernels: bool = False
+) -> tuple[list[np.ndarray] | _torch_host.Plan, float] | None:
     """:func:`_host_route` for the leaves; never for a sharded one (its norm is summed
     over ranks between the read and the write)."""
     if any(leaf.spread is not None for leaf in leaves):
         return None
-    return _host_route([(leaf.path, leaf.local) for leaf in leaves], scale)
+    return _host_route(
+        [(leaf.path, leaf.local) for leaf in leaves], scale, torch_kernels=torch_kernels
+    )
 
 
 class TorchBackend:
@@ -609,7 +647,7 @@ class TorchBackend:
         limit = max_norm_of(max_norm)
         inv, check = inverse_scale(scale)
         leaves = _leaves(grads)
-        route = _route(leaves, scale)
+        route = _route(leaves, scale, torch_kernels=True)
         if route is not None:
             from ._numpy import BACKEND as NUMPY  # noqa: PLC0415 - loaded with its kernels
 
@@ -622,7 +660,11 @@ class TorchBackend:
                 decided.append(flag)
                 return np.bool_(self.to_bool(flag))
 
-            _, _, host_norm = NUMPY.unscale_clip(*route, limit, decide)
+            on_host, host = route
+            if isinstance(on_host, _torch_host.Plan):
+                host_norm = _torch_host_clip(on_host, host, limit, decide)
+            else:
+                _, _, host_norm = NUMPY.unscale_clip(on_host, host, limit, decide)
             return grads, decided[0], torch.tensor(float(host_norm))
         replaced, values, flag = _unscale(leaves, scale, inv, check)
         norm = _norm(leaves, values, flag.device)

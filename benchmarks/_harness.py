@@ -47,6 +47,7 @@ def machine() -> dict[str, Any]:
         "python": platform.python_version(),
         "numpy": np.__version__,
         "scaler_core": getattr(sc, "__version__", "?"),
+        "scaler_core_file": sc.__file__,
         "numpy_path": sc.get_backend("numpy").path,  # type: ignore[attr-defined]
     }
     try:

@@ -17,6 +17,15 @@ of 1024 float32 (``--sets``):
   they are PyTorch's ``clip_grad_norm_(foreach=True)`` on the same memory.
 * ``sc_unscale_norm``: ``scaler_core.unscale_and_norm`` alone (one read, one
   write; no clip), for reference.
+* ``dropin_numba`` and ``dropin_no_numba``: the drop-in
+  ``scaler_core.torch.GradScaler.unscale_and_clip_(optimizer, max_norm)``, the call
+  that replaces PyTorch's pair, on the same tensors (the optimizer's ``.grad``),
+  with numba's kernels and without them (what ``pip install scaler-core[torch]``
+  brings: PyTorch's own kernels). The second row swaps in a NumPy backend built
+  with ``use_numba=False`` for its calls only, so both run interleaved in one
+  process. Between calls (untimed) each scaler's ``update()`` ends its step. CPU
+  only; ``--no-numba-only`` keeps the rows that need no numba (a process where
+  numba is missing runs those alone).
 * ``bound_2r1w``: a read-only pass plus an in-place multiply of the same bytes,
   nothing else: the floor of any unscale + detect + clip that has to know the
   norm before it writes. ``bound_1r1w``: the multiply alone. On the CPU both are
@@ -49,6 +58,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import gc
+import importlib.util
 import json
 import math
 import os
@@ -65,7 +75,6 @@ from typing import Any
 os.environ.setdefault("OPENBLAS_CORETYPE", "Haswell")
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != _ROOT]
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
@@ -87,6 +96,7 @@ RTOL = 1e-5
 #: PyTorch's float32 norm on the CPU: about 8.5e-4 relative on GPT-2 small (torch 2.13).
 TORCH_RTOL = 1e-2
 BASE, FUSED, BOUND2, BOUND1 = "pytorch", "sc_fused", "bound_2r1w", "bound_1r1w"
+DROPIN, DROPIN_PURE = "dropin_numba", "dropin_no_numba"
 GOAL = 1.8  # the issue's target: sc_fused at least this much faster than pytorch on GPT-2
 
 SETS: dict[str, Callable[[bool], list[tuple[int, ...]]]] = {
@@ -101,6 +111,8 @@ NOTES = {
     "sc_unscale_norm": "scaler_core.unscale_and_norm, no clip: 1 read + 1 write",
     BOUND2: "a read-only pass + an in-place multiply, nothing else",
     BOUND1: "an in-place multiply, nothing else",
+    DROPIN: "scaler_core.torch.GradScaler.unscale_and_clip_, numba's kernels",
+    DROPIN_PURE: "scaler_core.torch.GradScaler.unscale_and_clip_ without numba",
 }
 
 Call = Callable[[], tuple[Any, Any]]  # returns (found, norm), either may be None
@@ -120,6 +132,9 @@ def _cpu_kernels() -> tuple[Any, Any, Callable[[Any], float]]:
         from benchmarks import _bound_kernel  # noqa: PLC0415
 
     voidptr = kernels._voidptr
+    # Started as the library starts them, so the bound's kernels (compiled here, in this
+    # thread) leave PyTorch's thread count as it is for the PyTorch rows.
+    kernels.start_threads()
 
     @njit(nogil=True, parallel=True, fastmath=True)
     def read(addrs: Any, sizes: Any, like: Any) -> Any:
@@ -148,8 +163,11 @@ class Case:
     """One set on one device: pristine scaled gradients, the shared work buffer,
     the parameters PyTorch's clip reads, and every contender's call."""
 
-    def __init__(self, name: str, *, small: bool, device: str, seed: int) -> None:
-        self.name, self.device = name, device
+    def __init__(
+        self, name: str, *, small: bool, device: str, seed: int, numba: bool = True
+    ) -> None:
+        self.name, self.device, self.numba = name, device, numba
+        self.pending: list[Any] = []  # drop-in scalers whose step is to be ended
         rng = np.random.default_rng(seed)
         host = []
         for shape in SETS[name](small):
@@ -180,6 +198,8 @@ class Case:
         numba's is woken by the copy, so none is still spinning when the timed call
         starts; the copy leaves the same data in cache for every contender.
         """
+        while self.pending:
+            self.pending.pop().update()  # ends the drop-in's step: unscale_ may run again
         if self.device == "cuda":
             torch._foreach_copy_(self.work, self.pristine)
             torch.cuda.synchronize()
@@ -201,8 +221,37 @@ class Case:
         calls: dict[str, Call] = {BASE: pytorch}
         if self.device == "cuda":
             calls.update(self._cuda_calls())
-        else:
+        elif self.numba:
             calls.update(self._cpu_calls())
+        if self.device == "cpu":
+            calls.update(self._dropin_calls())
+        return calls
+
+    def _dropin_calls(self) -> dict[str, Call]:
+        """The drop-in's ``unscale_and_clip_``, with numba's kernels and without."""
+        from scaler_core.backends import _numpy  # noqa: PLC0415 (the switch below)
+        from scaler_core.torch import GradScaler  # noqa: PLC0415
+
+        numpy_backends = {DROPIN_PURE: _numpy.NumpyBackend(use_numba=False)}
+        if self.numba:
+            numpy_backends[DROPIN] = _numpy.NumpyBackend(use_numba=True)
+        calls: dict[str, Call] = {}
+        for name, backend in numpy_backends.items():
+            scaler = GradScaler("cpu", init_scale=SCALE, growth_interval=1 << 30)
+            scaler.scale(torch.ones(()))  # the scale tensor, made as in a step
+            optimizer = torch.optim.SGD(self.params, lr=0.0)
+
+            def call(
+                scaler: Any = scaler, optimizer: Any = optimizer, backend: Any = backend
+            ) -> tuple[Any, Any]:
+                _numpy.BACKEND = backend  # the torch backend's CPU route reads it per call
+                norm = scaler.unscale_and_clip_(optimizer, MAX_NORM)
+                self.pending.append(scaler)
+                state = scaler._per_optimizer_states[id(optimizer)]
+                found = any(bool(f.item()) for f in state["found_inf_per_device"].values())
+                return found, norm
+
+            calls[name] = call
         return calls
 
     def _cpu_calls(self) -> dict[str, Call]:
@@ -341,10 +390,17 @@ class Case:
 
 
 def run_set(
-    name: str, *, small: bool, device: str, reps: int, warmup: int, seed: int
+    name: str,
+    *,
+    small: bool,
+    device: str,
+    reps: int,
+    warmup: int,
+    seed: int,
+    numba: bool = True,
 ) -> dict[str, Any]:
     """All contenders on one set, interleaved: medians, ratios and raw samples."""
-    case = Case(name, small=small, device=device, seed=seed)
+    case = Case(name, small=small, device=device, seed=seed, numba=numba)
     check = case.check()
     names = list(case.calls)
     samples: dict[str, list[float]] = {n: [] for n in names}
@@ -375,8 +431,8 @@ def run_set(
             "min_ms": min(samples[n]) * 1e3,
             "reps": len(samples[n]),
             "speedup_vs_pytorch": medians[BASE] / m,
-            "over_bound_2r1w": m / medians[BOUND2],
-            "over_bound_1r1w": m / medians[BOUND1],
+            "over_bound_2r1w": m / medians[BOUND2] if BOUND2 in medians else None,
+            "over_bound_1r1w": m / medians[BOUND1] if BOUND1 in medians else None,
             "grad_gb_per_s": case.bytes / m / 1e9,
             "note": NOTES[n],
         }
@@ -398,6 +454,9 @@ def run_set(
     if FUSED in rows:
         speedup = rows[FUSED]["speedup_vs_pytorch"]
         result["goal"] = {"target": GOAL, "value": speedup, "met": speedup >= GOAL}
+    result["dropin_not_slower"] = {
+        n: rows[n]["speedup_vs_pytorch"] >= 1.0 for n in (DROPIN, DROPIN_PURE) if n in rows
+    }
     return result
 
 
@@ -413,7 +472,8 @@ def machine(device: str) -> dict[str, Any]:
     try:
         import numba  # noqa: PLC0415
 
-        info["numba_threads"] = numba.get_num_threads()
+        # the configured count: numba.get_num_threads() would start numba's threads here
+        info["numba_threads"] = numba.config.NUMBA_NUM_THREADS
     except ImportError:
         pass
     if device == "cuda":
@@ -435,12 +495,16 @@ def table(results: list[dict[str, Any]]) -> str:
         " | / 2R+1W bound | / 1R+1W bound |",
         "|---|---|---|---|---|---|---|",
     ]
+
+    def ratio(value: float | None) -> str:
+        return "-" if value is None else f"{value:.2f}"
+
     for r in results:
         for n, row in r["rows"].items():
             lines.append(
                 f"| {r['set']} | {n} | {row['median_ms']:.3g} | {row['grad_gb_per_s']:.3g}"
-                f" | {row['speedup_vs_pytorch']:.2f}x | {row['over_bound_2r1w']:.2f}"
-                f" | {row['over_bound_1r1w']:.2f} |"
+                f" | {row['speedup_vs_pytorch']:.2f}x | {ratio(row['over_bound_2r1w'])}"
+                f" | {ratio(row['over_bound_1r1w'])} |"
             )
         for n, why in r["skipped"].items():
             lines.append(f"| {r['set']} | {n} | skipped: {why} | | | | |")
@@ -465,6 +529,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--warmup", type=int, default=3, help="untimed rounds first (default 3)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", type=Path, default=None, help="write the results here")
+    ap.add_argument(
+        "--no-numba-only",
+        action="store_true",
+        help="only the rows that need no numba (PyTorch's pair and the drop-in without it)",
+    )
     args = ap.parse_args(argv)
     names = [s for s in args.sets.split(",") if s]
     unknown = [s for s in names if s not in SETS]
@@ -480,7 +549,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.json:
             _write(args.json, {"command": command, "status": "skipped", "reason": reason})
         return 0
+    numba = not args.no_numba_only and importlib.util.find_spec("numba") is not None
     info = machine(args.device)
+    info["numba_rows"] = numba
     print(
         f"# {info['cpu']}, {info['cores']} cores; torch {info.get('torch')} with"
         f" {info['torch_threads']} threads; numpy path: {info['numpy_path']}"
@@ -496,6 +567,7 @@ def main(argv: list[str] | None = None) -> int:
                 reps=args.reps,
                 warmup=args.warmup,
                 seed=args.seed,
+                numba=numba,
             )
         )
         print(f"  done {name}", file=sys.stderr)
@@ -509,6 +581,11 @@ def main(argv: list[str] | None = None) -> int:
                 f"goal: {FUSED} {g['value']:.2f}x PyTorch's pair on {r['set']}"
                 f" (target {GOAL}x): {verdict}"
             )
+    for r in results:
+        for n, ok in r["dropin_not_slower"].items():
+            speedup = r["rows"][n]["speedup_vs_pytorch"]
+            verdict = "not slower" if ok else "SLOWER"
+            print(f"{r['set']}: {n} {speedup:.2f}x PyTorch's pair: {verdict}")
     for r in results:
         c = r["check"]
         print(

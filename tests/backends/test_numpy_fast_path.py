@@ -714,3 +714,139 @@ def test_a_caller_that_flushes_subnormals_gets_the_references_results() -> None:
     )
     assert result.returncode == 0, result.stderr[-2000:]
     assert result.stdout.strip() == "ok"
+
+
+# -- torch tensors on the CPU without numba: PyTorch's kernels, the same bits ---------
+
+_TORCH_DTYPES = ["float32", "float16", "bfloat16", "float64"]
+
+
+def _torch_tree(torch: Any, seed: int, dtypes: list[str], sizes: tuple[int, ...]) -> list[Any]:
+    rng = np.random.default_rng(seed)
+    out = []
+    for i, n in enumerate(sizes):
+        values = rng.standard_normal(n) * 2.0 ** rng.integers(-6, 6) * 1024
+        out.append(torch.from_numpy(values.astype(np.float32)).to(getattr(torch, dtypes[i % 4])))
+    return out
+
+
+def _host(t: Any) -> np.ndarray:
+    """A NumPy copy of a CPU tensor (bfloat16 through its bits)."""
+    import torch
+
+    if t.dtype is torch.bfloat16:
+        return t.view(torch.int16).numpy().view(ml_dtypes.bfloat16).copy()
+    return t.numpy().copy()
+
+
+def _bits(arrays: list[np.ndarray]) -> list[bytes]:
+    return [np.ascontiguousarray(a).tobytes() for a in arrays]
+
+
+@pytest.mark.parametrize("scale", [1024.0, 3000.0, 0.5, 1.0])
+@pytest.mark.parametrize("max_norm", [1.0, 1e9])
+@pytest.mark.parametrize(
+    "sizes",
+    [(1, 7, 1000, 140_000, 300_001, 0, 33), (1024,) * 300, (5,)],
+    ids=["mixed", "many-small", "one"],
+)
+def test_torch_cpu_clip_without_numba_runs_pytorchs_kernels_with_the_same_bits(
+    monkeypatch: pytest.MonkeyPatch, scale: float, max_norm: float, sizes: tuple[int, ...]
+) -> None:
+    """Without numba, ``unscale_clip`` on CPU tensors runs on PyTorch's kernels (the
+    NumPy pure path is not called) and stores the bits, flag and norm that numba's
+    kernels and the reference give."""
+    torch = pytest.importorskip("torch")
+    from scaler_core.backends import _numpy, _torch_host
+    from scaler_core.backends._torch import BACKEND as TORCH
+
+    pure = fused.NumpyBackend(use_numba=False)
+    monkeypatch.setattr(_numpy, "BACKEND", pure)
+    monkeypatch.setattr(pure, "unscale_clip", None)  # the route must not come here
+    calls = []
+    measure = _torch_host.measure
+    monkeypatch.setattr(_torch_host, "measure", lambda *a: calls.append(1) or measure(*a))
+    for seed in range(3):
+        tensors = _torch_tree(torch, seed, _TORCH_DTYPES, sizes)
+        hosts = [_host(t) for t in tensors]
+        _, found, norm = TORCH.unscale_clip(tensors, scale, max_norm)
+        want = {"reference": REFERENCE}
+        if HAVE_NUMBA:
+            want["numba"] = fused.NumpyBackend(use_numba=True)
+        for name, backend in want.items():
+            copies = [h.copy() for h in hosts]
+            _, w_found, w_norm = backend.unscale_clip(copies, scale, max_norm)
+            assert bool(found) == bool(w_found), name
+            assert np.float32(norm).tobytes() == np.float32(w_norm).tobytes(), (name, norm, w_norm)
+            assert _bits([_host(t) for t in tensors]) == _bits(copies), name
+    assert len(calls) == 3
+
+
+@pytest.mark.parametrize("bad", [np.inf, np.nan])
+def test_torch_cpu_clip_without_numba_writes_nothing_on_a_skip(
+    monkeypatch: pytest.MonkeyPatch, bad: float
+) -> None:
+    torch = pytest.importorskip("torch")
+    from scaler_core.backends import _numpy
+    from scaler_core.backends._torch import BACKEND as TORCH
+
+    monkeypatch.setattr(_numpy, "BACKEND", fused.NumpyBackend(use_numba=False))
+    for dtypes in (_TORCH_DTYPES, ["float32"] * 4):
+        tensors = _torch_tree(torch, 5, dtypes, (1000, 300_001, 3, 64))
+        tensors[2][1] = bad
+        hosts = [_host(t) for t in tensors]
+        _, found, norm = TORCH.unscale_clip(tensors, 1024.0, 1.0)
+        _, w_found, w_norm = REFERENCE.unscale_clip([h.copy() for h in hosts], 1024.0, 1.0)
+        assert bool(found)
+        assert bool(w_found)
+        assert np.isnan(float(norm)) == np.isnan(float(w_norm))
+        assert _bits([_host(t) for t in tensors]) == _bits(hosts)
+    # an overflow made by the unscale itself (a scale below 1) is found, nothing written
+    big = [torch.full((10,), 3e38)]
+    _, found, _ = TORCH.unscale_clip(big, 0.5, 1.0)
+    assert bool(found)
+    assert big[0][0].item() == pytest.approx(3e38)
+
+
+def test_torch_cpu_clip_without_numba_leaves_shared_and_strided_tensors_to_numpy(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Tensors that share memory or are not contiguous take the NumPy path (exact for
+    them), and still give the reference's bits."""
+    torch = pytest.importorskip("torch")
+    from scaler_core.backends import _numpy, _torch_host
+    from scaler_core.backends._torch import BACKEND as TORCH
+
+    monkeypatch.setattr(_numpy, "BACKEND", fused.NumpyBackend(use_numba=False))
+    base = torch.arange(1.0, 41.0) * 64
+    for tensors in ([base[:30], base[20:]], [base.view(8, 5).t()]):
+        assert _torch_host.plan(tensors) is None
+        copies = [np.array(t.numpy()) for t in tensors]
+        _, _, norm = TORCH.unscale_clip(tensors, 64.0, 1.0)
+        _, _, w_norm = REFERENCE.unscale_clip(copies, 64.0, 1.0)
+        assert float(norm) == float(w_norm)
+
+
+@pytest.mark.parametrize(
+    ("magnitude", "dtype"), [(1e-35, "float32"), (3e156, "float64"), (1e30, "float32")]
+)
+def test_torch_cpu_clip_without_numba_at_the_edges_of_the_range(
+    monkeypatch: pytest.MonkeyPatch, magnitude: float, dtype: str
+) -> None:
+    """Products in float32's subnormal range (rounded there: the norm is measured from
+    the products), float64 values whose squares overflow before unscaling, and a norm
+    beyond float32: the reference's bits, flag and norm."""
+    torch = pytest.importorskip("torch")
+    from scaler_core.backends import _numpy
+    from scaler_core.backends._torch import BACKEND as TORCH
+
+    monkeypatch.setattr(_numpy, "BACKEND", fused.NumpyBackend(use_numba=False))
+    rng = np.random.default_rng(11)
+    values = rng.standard_normal(200_000) * magnitude
+    tensors = [torch.from_numpy(values.astype(dtype)), torch.from_numpy(values[:77].astype(dtype))]
+    hosts = [_host(t) for t in tensors]
+    _, found, norm = TORCH.unscale_clip(tensors, 2.0**16, 1e-30)
+    _, w_found, w_norm = REFERENCE.unscale_clip(hosts, 2.0**16, 1e-30)
+    assert bool(found) == bool(w_found)
+    assert np.float32(norm).tobytes() == np.float32(w_norm).tobytes()
+    assert _bits([_host(t) for t in tensors]) == _bits(hosts)

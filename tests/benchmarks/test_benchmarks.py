@@ -161,19 +161,50 @@ def test_clip_bench_times_every_row_after_checking_them_against_pytorch(tmp_path
             "sc_unscale_norm",
             "bound_2r1w",
             "bound_1r1w",
+            "dropin_no_numba",
+            "dropin_numba",
         ]
         assert all(row["reps"] == 1 and row["median_ms"] > 0 for row in r["rows"].values())
         assert r["rows"]["pytorch"]["speedup_vs_pytorch"] == 1.0
         assert r["rows"]["bound_2r1w"]["over_bound_2r1w"] == 1.0
         check = r["check"]
         assert check["passed"]
-        assert set(check["rows"]) == {"pytorch", "sc_fused", "sc_unfused", "sc_unscale_norm"}
+        assert set(check["rows"]) == {
+            "pytorch",
+            "sc_fused",
+            "sc_unfused",
+            "sc_unscale_norm",
+            "dropin_no_numba",
+            "dropin_numba",
+        }
+        assert set(r["dropin_not_slower"]) == {"dropin_no_numba", "dropin_numba"}
         for name, row in check["rows"].items():
             assert row["found"] is False
             assert row["norm_rel_err"] <= (1e-2 if name == "pytorch" else 1e-5)
         assert check["rows"]["sc_fused"]["max_rel_err"] <= 1e-5
         assert check["exact_norm"] > 1.0  # max_norm is 1.0: the clip wrote
     assert "| gpt2-small | sc_fused |" in report["table"]
+    assert report["machine"]["scaler_core_file"].startswith(str(ROOT))  # this checkout's code
+
+
+def test_clip_bench_without_numba_times_pytorch_and_the_drop_in(tmp_path: Path) -> None:
+    """``--no-numba-only``: PyTorch's pair and the drop-in without numba, nothing that
+    needs numba (what a process without numba runs)."""
+    pytest.importorskip("torch")
+    out = tmp_path / "clip.json"
+    run = _run(
+        *(sys.executable, "benchmarks/bench_clip.py", "--small", "--reps", "1"),
+        *("--warmup", "0", "--sets", "2000x1024", "--no-numba-only", "--json", str(out)),
+        timeout=300,
+    )
+    assert run.returncode == 0, run.stderr
+    report = json.loads(out.read_text())
+    assert report["machine"]["numba_rows"] is False
+    (r,) = report["results"]
+    assert list(r["rows"]) == ["pytorch", "dropin_no_numba"]
+    assert r["rows"]["dropin_no_numba"]["over_bound_2r1w"] is None
+    assert r["check"]["rows"]["dropin_no_numba"]["max_rel_err"] <= 1e-5
+    assert "dropin_no_numba" in run.stdout
 
 
 def test_clip_bench_on_cuda_is_skipped_cleanly_without_a_gpu(tmp_path: Path) -> None:

@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
+import inspect
+from collections.abc import Callable
 from typing import Any
 
 from ._backend import Backend, backend_for, resolve_backend
+from ._config import ScalerConfig
+from ._errors import InvalidArgumentError, InvalidStateError
 from ._state import (
     ScalerState,
     device_norm,
@@ -14,6 +19,7 @@ from ._state import (
     norm_missing_error,
     one_library,
     require_state,
+    step_skipped,
 )
 
 __all__ = ["find_non_finite", "unscale", "unscale_and_clip", "unscale_and_norm", "update"]
@@ -110,6 +116,147 @@ def update(state: ScalerState, found_non_finite: Any, grad_norm: Any = None) -> 
     if not spiking:  # backends written before spike skipping take two arguments
         return backend.update(state, found_non_finite)
     return backend.update(state, found_non_finite, grad_norm)
+
+
+# ------------------------------------------------------------------ user policies
+# A user's policy is called here, and only here, for every caller (GradScaler(policy=),
+# simulate, check_policy), so it means one thing wherever it runs.
+
+#: ``policy(state, found) -> state``; ``policy(state, found, grad_norm)`` under spike skipping.
+Policy = Callable[..., ScalerState]
+#: A policy as every caller calls it: ``step(state, found, grad_norm)``; the norm may be
+#: ``None`` with spike skipping off.
+PolicyStep = Callable[[ScalerState, Any, Any], ScalerState]
+
+#: How many arguments a policy is called with: (state, found), and (state, found, grad_norm).
+_PLAIN, _SPIKING = 2, 3
+
+
+def policy_name(policy: object) -> str:
+    """How messages name a user's policy: its qualified name, else its repr."""
+    name = getattr(policy, "__qualname__", None)
+    return name if isinstance(name, str) else repr(policy)
+
+
+def policy_step(name: str, config: ScalerConfig, policy: Policy) -> PolicyStep:
+    """``policy`` as the core calls it under ``config``: ``step(state, found, grad_norm)``.
+
+    With spike skipping off, ``policy(state, found)``. With it on,
+    ``policy(state, found, grad_norm)``, or, for a policy of two arguments (which
+    cannot see the norm), :func:`_spike_skipping`. A policy that cannot take its
+    arguments is refused here, before any step. What the step returns is the
+    policy's, unchecked: see :func:`policy_result`.
+
+    Args:
+        name: The policy as the message names it (``"'mine'"``, ``"my_policy"``).
+        config: The config of the states the step will be given.
+        policy: The user's transition.
+
+    Returns:
+        The step function.
+
+    Raises:
+        InvalidArgumentError: ``policy`` cannot be called with the arguments
+            ``config`` needs.
+    """
+    spiking = config.spike_threshold is not None
+    try:
+        signature = inspect.signature(policy)
+    except (TypeError, ValueError):  # no signature to read (some builtins): call as documented
+        takes = {_SPIKING if spiking else _PLAIN}
+    else:
+        takes = {n for n in (_PLAIN, _SPIKING) if _binds(signature, n)}
+    if spiking and _SPIKING in takes:
+        return _with_norm(policy)
+    if _PLAIN in takes:
+        return _spike_skipping(policy) if spiking else _without_norm(policy)
+    if spiking:
+        called, fix = "policy(state, found, grad_norm)", "take (state, found), or add grad_norm"
+    elif _SPIKING in takes:
+        called = "policy(state, found)"
+        fix = "give grad_norm a default (grad_norm=None), or turn spike skipping on"
+    else:
+        called, fix = "policy(state, found)", "take (state, found)"
+    raise InvalidArgumentError(
+        f"policy {name} takes {_brief_signature(signature)}, but its config has spike "
+        f"skipping {'on' if spiking else 'off'}, so it is called as {called}: {fix}"
+    )
+
+
+def policy_result(name: str, new: object) -> ScalerState:
+    """``new``, the state a policy returned, or the refusal naming the policy."""
+    if not isinstance(new, ScalerState):
+        raise InvalidStateError(
+            f"policy {name} returned {new!r}, but it must return a ScalerState "
+            f"(build it with dataclasses.replace(state, ...))"
+        )
+    return new
+
+
+def _binds(signature: inspect.Signature, n: int) -> bool:
+    try:
+        signature.bind(*range(n))
+    except TypeError:
+        return False
+    return True
+
+
+def _brief_signature(signature: inspect.Signature) -> str:
+    """``(state, found)``: the parameters' names, without annotations or defaults."""
+    return "(" + ", ".join(signature.parameters) + ")"
+
+
+def _without_norm(policy: Policy) -> PolicyStep:
+    def step(state: ScalerState, found: Any, grad_norm: Any = None) -> ScalerState:
+        return policy(state, found)
+
+    return step
+
+
+def _with_norm(policy: Policy) -> PolicyStep:
+    def step(state: ScalerState, found: Any, grad_norm: Any) -> ScalerState:
+        if grad_norm is None:  # as update() refuses it: the policy would get no norm
+            raise norm_missing_error(state.config)
+        return policy(state, found, grad_norm)
+
+    return step
+
+
+def _spike_skipping(policy: Policy) -> PolicyStep:
+    """A two-argument ``policy(state, found)`` under spike skipping.
+
+    It cannot see the norm, so the spike rule stays the core's: a step that
+    :func:`update` finds to be a spike is ``update``'s own (``SPIKE_SKIP``: only
+    the skip counters and the window move, and a passed ``max_consecutive_skips``
+    raises), and ``policy`` is not called. Every other step is ``policy``'s, run
+    on the state with spike skipping off in its config (so it may call
+    ``update(state, found)`` as usual); its result gets the config back and the
+    window statistics ``update`` keeps (moved on a step with finite gradients,
+    left on one without).
+    """
+
+    def step(state: ScalerState, found: Any, grad_norm: Any) -> ScalerState:
+        config = state.config
+        if grad_norm is None:
+            raise norm_missing_error(config)
+        window = state
+        if not found:
+            window = update(state, False, grad_norm=grad_norm)
+            if step_skipped(window):  # a spike: finite gradients, skipped
+                return window
+        plain = dataclasses.replace(config, spike_threshold=None)
+        new: object = policy(dataclasses.replace(state, config=plain), found)
+        if not isinstance(new, ScalerState):  # the caller refuses it, in its own words
+            return new  # type: ignore[return-value]
+        return dataclasses.replace(
+            new,
+            config=config,
+            norm_mean=window.norm_mean,
+            norm_var=window.norm_var,
+            norm_count=window.norm_count,
+        )
+
+    return step
 
 
 def unscale(

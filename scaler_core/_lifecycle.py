@@ -18,10 +18,11 @@ from collections.abc import Callable, Hashable, Mapping
 from types import MappingProxyType
 from typing import Any, TypeVar
 
+from ._api import PolicyStep, policy_name, policy_result, policy_step
 from ._api import update as _update
 from ._backend import Backend, backend_for, get_backend
 from ._config import ScalerConfig
-from ._errors import InvalidArgumentError, InvalidStateError, LifecycleError
+from ._errors import InvalidArgumentError, LifecycleError
 from ._report import LeafReport, non_finite_leaves
 from ._serialize import from_dict, to_dict
 from ._state import (
@@ -214,7 +215,10 @@ class GradScaler:
             :meth:`should_skip_step` / :meth:`update` in the same order.
         policy: Your own transition ``policy(state, found) -> state`` (a pure
             function; see "Testing your own policy" in docs/policies.md), used by
-            :meth:`update` instead of :func:`scaler_core.update`.
+            :meth:`update` instead of :func:`scaler_core.update`. With spike
+            skipping on it is called as ``policy(state, found, grad_norm)`` with
+            the step's norm; a two-argument policy runs there too, with the spike
+            decision left to :func:`scaler_core.update` (docs/policies.md says how).
         on_step: Called once per :meth:`update`, after the state advanced, with
             a :class:`StepReport` (the step's kind, norm, scale, flag): log skips
             and backoffs there. It runs no host synchronisation of its own.
@@ -241,11 +245,18 @@ class GradScaler:
         backend: str | Backend | None = None,
         state: ScalerState | None = None,
         reduce_found: Callable[[Any], Any] | None = None,
-        policy: Callable[[ScalerState, Any], ScalerState] | None = None,
+        policy: Callable[..., ScalerState] | None = None,
         on_step: Callable[[StepReport], Any] | None = None,
         report_leaves: bool = False,
     ) -> None:
         self._state = start_state(config, state)
+        if policy is not None and not callable(policy):
+            raise InvalidArgumentError(
+                f"policy={policy!r}, but it must be a callable policy(state, found) -> state "
+                f"(or None for scaler_core.update)"
+            )
+        self._policy = policy
+        self._step = self._policy_step(self._state.config)  # refuses a policy before any step
         if on_step is not None and not callable(on_step):
             raise InvalidArgumentError(
                 f"on_step={on_step!r}, but it must be a callable taking a StepReport (or None)"
@@ -264,12 +275,6 @@ class GradScaler:
                 f"returning a found flag (or None)"
             )
         self._reduce_found = reduce_found
-        if policy is not None and not callable(policy):
-            raise InvalidArgumentError(
-                f"policy={policy!r}, but it must be a callable policy(state, found) -> state "
-                f"(or None for scaler_core.update)"
-            )
-        self._policy = _update if policy is None else policy
         self._phase = StepPhase.READY
         self._reduced: Any = None  # this step's flag once reduced (the decision)
         self._flags: dict[Hashable, Any] = {}
@@ -486,25 +491,24 @@ class GradScaler:
         self._phase = phase
 
     def update(self) -> ScalerState:
-        """End the step: advance the state with the OR of this step's flags.
+        """End the step: advance the state with the OR of this step's flags (and,
+        with spike skipping on, its :attr:`grad_norm`), by the policy.
 
         Raises:
             LifecycleError: No gradients were checked in this step.
             ScaleCollapseError: The step was refused (fail-closed); the scaler
                 keeps its previous state and this step's flags (see
                 :meth:`abandon_step`).
+            InvalidArgumentError: Spike skipping is on and no call of this step
+                computed a norm.
+            InvalidStateError: The policy returned something other than a
+                :class:`ScalerState`; the scaler keeps its previous state.
         """
         phase = self._next(Call.UPDATE)
         found, norm = self._step_found(), self.grad_norm
-        if self._policy is _update:
-            new = _update(self._state, found, grad_norm=norm)
-        else:
-            new = self._policy(self._state, found)
-        if not isinstance(new, ScalerState):
-            raise InvalidStateError(
-                f"policy {self._policy!r} returned {new!r}, but it must return a ScalerState "
-                f"(build it with dataclasses.replace(state, ...))"
-            )
+        new = self._step(self._state, found, norm)
+        if self._policy is not None:
+            new = policy_result(policy_name(self._policy), new)
         self._state = new
         self._last = StepReport(new, found, norm, tuple(self._leaves))
         self._forget_step()
@@ -528,15 +532,25 @@ class GradScaler:
 
         Raises:
             InvalidStateError: ``data`` is malformed or out of range.
+            InvalidArgumentError: The policy cannot be called as its config
+                needs (spike skipping on or off).
             LifecycleError: Called mid-step.
         """
         self._next(Call.LOAD_STATE_DICT)
-        self._state = from_dict(data)
+        state = from_dict(data)
+        # A checkpoint may turn spike skipping on or off: the policy is called anew.
+        self._step = self._policy_step(state.config)
+        self._state = state
 
     def __repr__(self) -> str:
         return f"GradScaler(state={self._state!r})"
 
     # ---------------------------------------------------------------- internal
+    def _policy_step(self, config: ScalerConfig) -> PolicyStep:
+        if self._policy is None:
+            return _update
+        return policy_step(policy_name(self._policy), config, self._policy)
+
     def _backend_for(self, values: Any, what: str = "grads") -> Backend:
         if self._backend is None:
             if values is None:

@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import csv
 import dataclasses
-import inspect
 import io
 import json
 import math
@@ -48,12 +47,11 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from ._api import update
+from ._api import PolicyStep, policy_result, policy_step, update
 from ._config import ScalerConfig
 from ._errors import (
     InvalidArgumentError,
     InvalidConfigError,
-    InvalidStateError,
     ScaleCollapseError,
     TraceError,
 )
@@ -225,101 +223,18 @@ def _mean(values: Sequence[int]) -> float | None:
     return round(statistics.fmean(values), 2) if values else None
 
 
-def _resolve(name: str, spec: PolicySpec) -> tuple[ScalerConfig, Policy]:
+def _resolve(name: str, spec: PolicySpec) -> tuple[ScalerConfig, PolicyStep]:
     if isinstance(spec, str):
         return preset(spec), update
     if isinstance(spec, ScalerConfig):
         return spec, update
     match spec:
         case (ScalerConfig() as config, policy) if callable(policy):
-            return config, _calling(name, config, policy)
+            return config, policy_step(repr(name), config, policy)
     raise InvalidArgumentError(
         f"policy {name!r}={spec!r}, but it must be a preset name, a ScalerConfig or a "
         f"(ScalerConfig, policy) pair with policy(state, found) -> state"
     )
-
-
-def _calling(name: str, config: ScalerConfig, policy: Policy) -> Policy:
-    """``policy`` as the replay calls it: ``(state, found)`` with spike skipping off,
-    ``(state, found, grad_norm)`` with it on, where a two-argument policy is run by
-    :func:`_spike_skipping`. A policy that cannot take its arguments is refused here,
-    before any step is replayed."""
-    try:
-        signature = inspect.signature(policy)
-    except (TypeError, ValueError):  # no signature to read (some builtins): call as documented
-        return policy
-    takes = {n for n in (_PLAIN, _SPIKING) if _binds(signature, n)}
-    spiking = config.spike_threshold is not None
-    if spiking and _SPIKING in takes:
-        return policy
-    if _PLAIN in takes:
-        return _spike_skipping(policy) if spiking else policy
-    if spiking:
-        called, fix = "policy(state, found, grad_norm)", "take (state, found), or add grad_norm"
-    elif _SPIKING in takes:
-        called = "policy(state, found)"
-        fix = "give grad_norm a default (grad_norm=None), or turn spike skipping on"
-    else:
-        called, fix = "policy(state, found)", "take (state, found)"
-    raise InvalidArgumentError(
-        f"policy {name!r} takes {_brief_signature(signature)}, but its config has spike "
-        f"skipping {'on' if spiking else 'off'}, so it is called as {called}: {fix}"
-    )
-
-
-#: How many arguments a policy is called with: (state, found), and (state, found, grad_norm).
-_PLAIN, _SPIKING = 2, 3
-
-
-def _binds(signature: inspect.Signature, n: int) -> bool:
-    try:
-        signature.bind(*range(n))
-    except TypeError:
-        return False
-    return True
-
-
-def _brief_signature(signature: inspect.Signature) -> str:
-    """``(state, found)``: the parameters' names, without annotations or defaults."""
-    return "(" + ", ".join(signature.parameters) + ")"
-
-
-def _spike_skipping(policy: Policy) -> Policy:
-    """A two-argument ``policy(state, found)`` under spike skipping.
-
-    It cannot see the norm, so the spike rule stays the core's: a step that
-    :func:`scaler_core.update` finds to be a spike is ``update``'s own
-    (``SPIKE_SKIP``: only the skip counters and the window move, and a passed
-    ``max_consecutive_skips`` raises), and ``policy`` is not called. Every other
-    step is ``policy``'s, run on the state with spike skipping off in its config
-    (so it may call ``update(state, found)`` as usual); its result gets the config
-    back and the window statistics ``update`` keeps (moved on a step with finite
-    gradients, left on one without).
-    """
-
-    def step(state: ScalerState, found: bool, grad_norm: float) -> ScalerState:
-        config = state.config
-        window = state
-        if not found:
-            window = update(state, False, grad_norm=grad_norm)
-            if step_skipped(window):  # a spike: finite gradients, skipped
-                return window
-        plain = dataclasses.replace(config, spike_threshold=None)
-        new = policy(dataclasses.replace(state, config=plain), found)
-        if not isinstance(new, ScalerState):
-            raise InvalidStateError(
-                f"policy {policy!r} returned {new!r}, but it must return a ScalerState "
-                f"(build it with dataclasses.replace(state, ...))"
-            )
-        return dataclasses.replace(
-            new,
-            config=config,
-            norm_mean=window.norm_mean,
-            norm_var=window.norm_var,
-            norm_count=window.norm_count,
-        )
-
-    return step
 
 
 def simulate(
@@ -396,7 +311,7 @@ def simulate(
 
 
 def _replay(
-    name: str, trace: Trace, config: ScalerConfig, policy: Policy, dtype_max: float
+    name: str, trace: Trace, config: ScalerConfig, policy: PolicyStep, dtype_max: float
 ) -> PolicyResult:
     state = init(config)
     floor = FLT_MIN if config.min_scale is None else config.min_scale
@@ -408,8 +323,9 @@ def _replay(
     for step in range(len(trace)):
         scale = float(state.scale)
         found = trace.overflows(step, scale, dtype_max)
+        norm = None if norms is None else norms[step]
         try:
-            new = policy(state, found) if norms is None else policy(state, found, norms[step])
+            new = policy_result(repr(name), policy(state, found, norm))
         except ScaleCollapseError:
             collapse_step = step
             break

@@ -45,6 +45,7 @@ except ImportError as exc:  # pragma: no cover - exercised only without hypothes
         "pip install 'scaler-core[test]'"
     ) from exc
 
+from .._api import policy_name, policy_step
 from .._config import ScalerConfig
 from .._errors import BackendUnavailableError, PolicyViolationError, ScaleCollapseError
 from .._f32 import FLT_MAX, FLT_MIN, INT32_MAX, f32
@@ -381,8 +382,11 @@ def check_step(
     records ``StepKind.SPIKE_SKIP`` (*spike skip*).
 
     Args:
-        policy: The transition under test; called with ``grad_norm`` as a
-            third argument when the config has spike skipping on.
+        policy: The transition under test, called as every caller calls it:
+            ``policy(state, found)``, or with spike skipping on
+            ``policy(state, found, grad_norm)``; a two-argument policy there
+            runs under the core's spike rule (see "Your own policy" in
+            docs/policies.md).
         state: A host state that satisfies the invariants.
         found: This step's flag.
         grad_norm: This step's gradient norm (needed with spike skipping on).
@@ -392,17 +396,19 @@ def check_step(
 
     Raises:
         PolicyViolationError: A property failed; the message says which.
+        InvalidArgumentError: ``policy`` cannot take the arguments the state's
+            config needs, or spike skipping is on and ``grad_norm`` is None.
     """
     before = _snapshot(state)
 
     def fail(prop: str, detail: str) -> PolicyViolationError:
         return PolicyViolationError(f"{prop}: {detail}")
 
+    step = policy_step(policy_name(policy), state.config, policy)
     spiking = state.config.spike_threshold is not None
-    args: tuple[Any, ...] = (state, found, grad_norm) if spiking else (state, found)
     spike = spiking and classify(state, found, grad_norm) is StepKind.SPIKE_SKIP
     try:
-        new = policy(*args)
+        new = step(state, found, grad_norm)
     except ScaleCollapseError:
         if _snapshot(state) != before:
             raise fail("purity", "the policy changed its input state before refusing") from None
@@ -420,7 +426,7 @@ def check_step(
     if _snapshot(state) != before:
         raise fail("purity", f"the policy changed its input state to {state!r}")
     try:
-        again = policy(*args)
+        again = step(state, found, grad_norm)
     except Exception as exc:
         raise fail("determinism", f"a second identical call raised {exc!r}") from exc
     if not isinstance(again, ScalerState) or _snapshot(again) != _snapshot(new):
@@ -469,12 +475,14 @@ def check_policy(
     Every sequence starts from ``init(config)``; each step goes through
     :func:`check_step`. A config with spike skipping on (from
     ``configs(spikes=True)``) also draws a :func:`norm_sequences` of the same
-    length and passes each norm as the policy's third argument. Hypothesis
+    length and passes each norm as the policy's third argument (a two-argument
+    policy runs under the core's spike rule, as :func:`check_step` says). Hypothesis
     shrinks a failure to a minimal config and flag sequence, and the raised
     message prints both, ready to paste.
 
     Args:
-        policy: ``policy(state, found) -> state``.
+        policy: ``policy(state, found) -> state``, or
+            ``policy(state, found, grad_norm) -> state``.
         config: A fixed config, a strategy of configs, or ``None`` for
             :func:`configs`.
         max_steps: Longest flag sequence.
@@ -484,11 +492,13 @@ def check_policy(
     Raises:
         PolicyViolationError: A property failed. The message names the property,
             the step, the minimal flag sequence and the config.
+        InvalidArgumentError: ``policy`` cannot take the arguments a drawn
+            config needs (refused before its first step).
 
     >>> from scaler_core import update
     >>> check_policy(update, max_examples=5)
     """
-    name = getattr(policy, "__qualname__", repr(policy))
+    name = policy_name(policy)
     strategy = configs() if config is None else config
     if isinstance(strategy, ScalerConfig):
         strategy = st.just(strategy)
@@ -506,15 +516,19 @@ def check_policy(
                 state = check_step(policy, state, flag, None if norms is None else norms[i])
             except PolicyViolationError as exc:
                 shown = "" if norms is None else f"\n  with norms={norms[: i + 1]!r}"
-                call = "f" if norms is None else "f, g"
-                loop = "f in flags" if norms is None else "f, g in zip(flags, norms)"
+                # Under spike skipping check_step calls the policy as this run did (a
+                # two-argument policy under the core's spike rule), so it reproduces both.
+                loop, call = (
+                    ("f in flags", f"{name}(state, f)")
+                    if norms is None
+                    else ("f, g in zip(flags, norms)", f"check_step({name}, state, f, g)")
+                )
                 raise PolicyViolationError(
                     f"policy {name} broke {exc}\n"
                     f"  at step {i} of flags={flags[: i + 1]!r}{shown}\n"
                     f"  from init(config) with config={cfg!r}\n"
                     f"  state before the step: {prior!r}\n"
-                    f"  reproduce: state = init(config); "
-                    f"for {loop}: state = {name}(state, {call})"
+                    f"  reproduce: state = init(config); for {loop}: state = {call}"
                 ) from None
             if state is None:
                 return

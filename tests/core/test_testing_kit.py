@@ -101,6 +101,24 @@ def test_a_policy_that_fails_open_is_caught() -> None:
         check_policy(crashes, config=sc.ScalerConfig(), max_examples=30)
 
 
+def plain_rule(state: sc.ScalerState, found: Any) -> sc.ScalerState:
+    """A two-argument policy: the built-in rule, which it calls without a norm."""
+    return sc.update(state, found)
+
+
+def test_a_two_argument_policy_is_checked_under_spike_skipping() -> None:
+    # Spikes are the core's decision; the policy sees the rest, with spike skipping off.
+    check_policy(plain_rule, config=configs(spikes=True), max_examples=40)
+    with pytest.raises(PolicyViolationError, match=r"^policy grows_to_infinity broke bounds") as e:
+        check_policy(grows_to_infinity, config=configs(spikes=True), max_examples=200)
+    assert "state = check_step(grows_to_infinity, state, f, g)" in str(e.value)
+
+
+def test_a_policy_that_cannot_take_its_arguments_is_refused_before_any_step() -> None:
+    with pytest.raises(sc.InvalidArgumentError, match=r"policy \S*<lambda> takes \(state\), but"):
+        check_policy(lambda state: state, max_examples=5)
+
+
 def test_refusing_a_step_is_allowed() -> None:
     config = sc.ScalerConfig(init_scale=1.0, min_scale=1.0, at_min_scale="raise")
     assert check_step(sc.update, sc.init(config), True) is None

@@ -27,6 +27,7 @@ OPTIONAL = {
     "scaler_core.backends._numpy_kernels": ("numba",),
     "scaler_core.torch": ("torch",),
     "scaler_core.backends._torch": ("torch",),
+    "scaler_core.backends._torch_host": ("torch",),
 }
 
 

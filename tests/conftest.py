@@ -11,6 +11,8 @@ from __future__ import annotations
 import importlib.util
 import os
 import platform
+import subprocess
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
@@ -80,3 +82,27 @@ def pinned_blas_env() -> dict[str, str]:
     if "openblas" not in str(blas).lower():
         pytest.skip(f"the shipped numbers were made with OpenBLAS; NumPy here uses {blas}")
     return {**os.environ, "OPENBLAS_CORETYPE": "Haswell"}
+
+
+@pytest.fixture
+def run_python() -> Callable[..., str]:
+    """Run a Python snippet in a fresh interpreter; its stdout, once it exits 0.
+
+    ``env`` adds to (or overrides) this process's environment; ``stdin`` is fed to it.
+    A nonzero exit fails the test with the end of the snippet's stderr.
+    """
+
+    def run(code: str, *, env: dict[str, str] | None = None, stdin: str | None = None) -> str:
+        result = subprocess.run(
+            [sys.executable, "-c", code],
+            input=stdin,
+            env={**os.environ, **(env or {})},
+            capture_output=True,
+            text=True,
+            timeout=300,
+            check=False,
+        )
+        assert result.returncode == 0, result.stderr[-3000:]
+        return result.stdout
+
+    return run

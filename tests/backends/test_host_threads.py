@@ -11,9 +11,7 @@ through each public entry point.
 from __future__ import annotations
 
 import importlib.util
-import os
-import subprocess
-import sys
+from collections.abc import Callable
 
 import pytest
 
@@ -79,42 +77,39 @@ print("ok", layer)
 """
 
 
-def _run(call: str, *, user_numba: bool, layer: str | None = None) -> None:
-    env = dict(os.environ)
-    if layer is not None:
-        env["NUMBA_THREADING_LAYER"] = layer
-    script = _SCRIPT.format(call=call, user_numba=user_numba)
-    result = subprocess.run(
-        [sys.executable, "-c", script],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert result.stdout.split()[0] == "ok"
+def _run(
+    run_python: Callable[..., str], call: str, *, user_numba: bool, layer: str | None = None
+) -> None:
+    env = {} if layer is None else {"NUMBA_THREADING_LAYER": layer}
+    out = run_python(_SCRIPT.format(call=call, user_numba=user_numba), env=env)
+    assert out.split()[0] == "ok"
 
 
 @pytest.mark.parametrize("call", list(_CALLS.values()), ids=list(_CALLS))
-def test_the_first_parallel_kernel_leaves_torch_threads_alone(call: str) -> None:
+def test_the_first_parallel_kernel_leaves_torch_threads_alone(
+    call: str, run_python: Callable[..., str]
+) -> None:
     """``torch.set_num_threads(1)`` (and the interop count, and the OpenMP, MKL and
     numba environment) hold after the process's first parallel kernel, whichever
     entry point runs it."""
-    _run(call, user_numba=False)
+    _run(run_python, call, user_numba=False)
 
 
 @pytest.mark.parametrize(
     ("layer", "call"),
     [("default", "drop-in-unscale_and_clip_"), ("workqueue", "unscale-numpy")],
 )
-def test_a_numba_thread_count_set_by_the_user_holds(layer: str, call: str) -> None:
+def test_a_numba_thread_count_set_by_the_user_holds(
+    layer: str, call: str, run_python: Callable[..., str]
+) -> None:
     """``numba.set_num_threads(1)`` set by the user holds, as do PyTorch's counts, on
     numba's default layer and on its workqueue layer."""
-    _run(_CALLS[call], user_numba=True, layer=layer)
+    _run(run_python, _CALLS[call], user_numba=True, layer=layer)
 
 
-def test_without_a_threading_layer_the_one_thread_kernels_serve() -> None:
+def test_without_a_threading_layer_the_one_thread_kernels_serve(
+    run_python: Callable[..., str],
+) -> None:
     """Where numba's threads cannot start (a threading layer that is not installed), a
     large set runs on the calling thread with the same results, instead of failing."""
     if importlib.util.find_spec("tbb") is not None:
@@ -126,4 +121,4 @@ def test_without_a_threading_layer_the_one_thread_kernels_serve() -> None:
         "assert _numpy._THREADS_PID[0] == -1, _numpy._THREADS_PID\n"
         "print('ok'); raise SystemExit(0)"
     )
-    _run(call, user_numba=False, layer="tbb")
+    _run(run_python, call, user_numba=False, layer="tbb")

@@ -12,10 +12,8 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
-import subprocess
-import sys
 import textwrap
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -219,22 +217,12 @@ def _keras_cases(n: int, seed: int = 7) -> list[tuple[float, int, list[bool]]]:
     return cases
 
 
-def test_keras_preset_equals_loss_scale_optimizer() -> None:
+def test_keras_preset_equals_loss_scale_optimizer(run_python: Callable[..., str]) -> None:
     if importlib.util.find_spec("keras") is None:
         pytest.skip("Keras 3 is an optional oracle")
     cases = _keras_cases(12)
-    env = {**os.environ, "KERAS_BACKEND": "numpy"}
-    proc = subprocess.run(
-        [sys.executable, "-c", _KERAS_SCRIPT],
-        input=json.dumps(cases),
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=300,
-        check=False,
-    )
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    results = json.loads(proc.stdout)
+    out = run_python(_KERAS_SCRIPT, env={"KERAS_BACKEND": "numpy"}, stdin=json.dumps(cases))
+    results = json.loads(out)
     broken = 0
     for (init, steps, flags), traj in zip(cases, results, strict=True):
         config = sc.preset("keras", initial_scale=init, dynamic_growth_steps=steps)
@@ -379,19 +367,11 @@ _FLAX_X64 = textwrap.dedent(
 )
 
 
-def test_flax_casts_float64_gradients_to_float32_and_we_keep_them() -> None:
+def test_flax_casts_float64_gradients_to_float32_and_we_keep_them(
+    run_python: Callable[..., str],
+) -> None:
     """With jax_enable_x64 (a subprocess: the flag is global), flax's gradients of a
     float64 model are float32; ours stay float64, and cast first they are flax's."""
     if importlib.util.find_spec("flax") is None:
         pytest.skip("flax is an optional oracle")
-    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
-    proc = subprocess.run(
-        [sys.executable, "-c", _FLAX_X64],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=300,
-        check=False,
-    )
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    assert proc.stdout.strip() == "OK"
+    assert run_python(_FLAX_X64, env={"JAX_PLATFORMS": "cpu"}).strip() == "OK"

@@ -28,7 +28,7 @@ import operator
 import os
 import threading
 from collections import OrderedDict
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from types import ModuleType
 from typing import Any
 
@@ -46,7 +46,7 @@ from ._numpy_reference import (
     unscaled_copy,
 )
 
-__all__ = ["BACKEND", "ENV_FALLBACK", "REFERENCE", "NumpyBackend"]
+__all__ = ["BACKEND", "ENV_FALLBACK", "REFERENCE", "NumpyBackend", "Plan", "plan_blocks"]
 
 #: Set to ``1`` to force the pure-NumPy path even when numba is installed.
 ENV_FALLBACK = "SCALER_CORE_NUMPY_FALLBACK"
@@ -58,6 +58,8 @@ _F16 = np.dtype(np.float16)
 _BF16 = np.dtype(ml_dtypes.bfloat16)
 _F32 = np.dtype(np.float32)
 _F64 = np.dtype(np.float64)
+#: The dtypes a plan takes as raw blocks (the numba kernels read them in place).
+_WIDE = (_F32, _F64)
 #: All-ones exponent of each half type: the element is NaN or +-inf.
 _EXPONENT = {_F16: np.uint16(0x7C00), _BF16: np.uint16(0x7F80)}
 #: Work-item and chunk size: small enough to stay in a core's L2 cache.
@@ -124,8 +126,7 @@ class _Table:
 
     __slots__ = ("addrs", "like", "masks", "nbytes", "sizes")
 
-    def __init__(self, dtype: np.dtype[Any], starts_sizes: list[tuple[int, int]]) -> None:
-        addrs, sizes = np.array(starts_sizes, dtype=np.intp).reshape(-1, 2).T
+    def __init__(self, dtype: np.dtype[Any], addrs: np.ndarray, sizes: np.ndarray) -> None:
         # At most one norm chunk per item, so a table's items are the norm's chunks.
         per = max(1, min(_CHUNK_BYTES // dtype.itemsize, NORM_CHUNK))
         pieces = (sizes + per - 1) // per
@@ -154,35 +155,82 @@ class _Plan:
         "watch",
     )
 
-    def __init__(self, leaves: list[np.ndarray]) -> None:
-        self.keep = leaves  # the tables hold raw addresses: keep the arrays alive
+    def __init__(
+        self,
+        leaves: list[np.ndarray],
+        blocks: Mapping[np.dtype[Any], tuple[list[int], list[int]]] | None = None,
+        keep: list[Any] | None = None,
+    ) -> None:
+        """A plan over ``leaves`` (arrays of any layout) and ``blocks``: contiguous
+        float32 or float64 memory given by dtype as ``(addresses, element counts)``,
+        whose owners ``keep`` holds alive (another library's tensors: reading their
+        addresses costs a fraction of a NumPy view's)."""
+        # the tables hold raw addresses: keep the arrays (or the blocks' owners) alive
+        self.keep: list[Any] = leaves if keep is None else keep
         # the container's children, when cached (a tuple as given, else a copy)
         self.children: list[Any] | tuple[Any, ...] = []
         self.comparable = False  # see _same_children
-        self.nbytes = sum(a.nbytes for a in leaves)
         self.tables: dict[np.dtype[Any], _Table] = {}
         self.strided: list[np.ndarray] = []
         self.halves: list[np.ndarray] = []
         self.aliased = False
         self.watch: _Watch | None = None  # set when the plan is cached
-        blocks: dict[np.dtype[Any], list[tuple[int, int]]] = {}
-        spans: list[tuple[int, int]] = []
+        starts: dict[np.dtype[Any], list[int]] = {}
+        sizes: dict[np.dtype[Any], list[int]] = {}
+        for dtype, (addresses, counts) in (blocks or {}).items():
+            if dtype not in _WIDE:
+                raise TypeError(f"a block of {dtype}: half types are planned from arrays")
+            starts.setdefault(dtype, []).extend(addresses)
+            sizes.setdefault(dtype, []).extend(counts)
+        bounds: list[tuple[int, int]] = []
         for a in leaves:
             if a.size == 0:
                 continue
             if _is_block(a):
-                start = _address(a)  # ~2 us an array: read once
-                blocks.setdefault(a.dtype, []).append((start, a.size))
+                starts.setdefault(a.dtype, []).append(_address(a))  # ~2 us an array
+                sizes.setdefault(a.dtype, []).append(a.size)
                 if a.dtype in _EXPONENT:
                     self.halves.append(_flat(a))
-                spans.append((start, start + a.nbytes))
             else:
                 self.strided.append(a)
-                spans.append(_bounds(a))
-        spans.sort()
-        self.aliased = any(prev[1] > cur[0] for prev, cur in itertools.pairwise(spans))
-        self.tables = {dtype: _Table(dtype, items) for dtype, items in blocks.items()}
+                bounds.append(_bounds(a))
+        low = [np.array([b[0] for b in bounds], dtype=np.intp)]
+        high = [np.array([b[1] for b in bounds], dtype=np.intp)]
+        self.nbytes = sum(a.nbytes for a in self.strided)
+        for dtype, at in starts.items():
+            addrs = np.array(at, dtype=np.intp)
+            counts = np.array(sizes[dtype], dtype=np.intp)
+            kept = counts > 0
+            if not kept.all():
+                addrs, counts = addrs[kept], counts[kept]
+            if not counts.size:
+                continue
+            table = self.tables[dtype] = _Table(dtype, addrs, counts)
+            self.nbytes += table.nbytes
+            low.append(addrs)
+            high.append(addrs + counts * dtype.itemsize)
+        lows, highs = np.concatenate(low), np.concatenate(high)
+        order = np.argsort(lows, kind="stable")
+        self.aliased = bool(np.any(highs[order][:-1] > lows[order][1:]))
 
+
+def plan_blocks(
+    arrays: list[np.ndarray],
+    blocks: Mapping[np.dtype[Any], tuple[list[int], list[int]]],
+    keep: list[Any],
+) -> _Plan:
+    """A plan of work tables for the numba path from validated, writable ``arrays`` (any
+    layout and float dtype) and ``blocks`` (contiguous float32 or float64 memory, by
+    dtype: addresses and element counts), owned by objects in ``keep``, which the caller
+    keeps alive and unchanged for the call. One call's plan: never cached. Check
+    ``plan.aliased`` before handing it to :meth:`NumpyBackend.clip_planned` or
+    :meth:`NumpyBackend.norm_planned` (overlapping memory takes the reference's code).
+    """
+    return _Plan(arrays, blocks, keep)
+
+
+#: What :func:`plan_blocks` returns (a plan's fields are this module's business).
+Plan = _Plan
 
 #: The flags a plan depends on: the two contiguity flags, alignment and writeability
 #: (NumPy's NPY_ARRAY_C_CONTIGUOUS, _F_CONTIGUOUS, _ALIGNED and _WRITEABLE).
@@ -462,9 +510,15 @@ class NumpyBackend(NumpyReferenceBackend):
         prepared = self._prepare(grads, writable=True)
         if _overlaps(prepared):
             return REFERENCE.unscale_norm(grads, scale)
+        found, norm = self.norm_planned(prepared, inv)
+        return grads, found, norm
+
+    def norm_planned(self, prepared: _Plan | list[np.ndarray], inv: float) -> tuple[Any, Any]:
+        """:meth:`unscale_norm` of validated leaves or a plan none of whose arrays
+        overlap (see :func:`plan_blocks`): ``(found, norm)``."""
         with np.errstate(all="ignore"):
             found, sums = self._measure(prepared, inv, write=inv != 1.0)
-            return grads, np.bool_(found), norm_of_sums(sums)
+            return np.bool_(found), norm_of_sums(sums)
 
     def unscale_clip(
         self,
@@ -479,6 +533,19 @@ class NumpyBackend(NumpyReferenceBackend):
         prepared = self._prepare(grads, writable=True)
         if _overlaps(prepared):
             return REFERENCE.unscale_clip(grads, scale, max_norm, reduce)
+        flag, norm = self.clip_planned(prepared, inv, limit, reduce)
+        return grads, flag, norm
+
+    def clip_planned(
+        self,
+        prepared: _Plan | list[np.ndarray],
+        inv: float,
+        limit: float,
+        reduce: Callable[[Any], Any] | None = None,
+    ) -> tuple[Any, np.float32]:
+        """:meth:`unscale_clip` of validated leaves or a plan none of whose arrays
+        overlap (see :func:`plan_blocks`), with the inverse scale and the limit already
+        checked: ``(flag, norm)``."""
         with np.errstate(all="ignore"):
             found, sums = self._measure(prepared, inv, write=False)
             norm = norm_of_sums(sums)
@@ -486,11 +553,11 @@ class NumpyBackend(NumpyReferenceBackend):
             if reduce is not None:
                 flag = reduce(flag)
             if self.to_bool(flag):
-                return grads, flag, norm
+                return flag, norm
             coef = clip_coefficient(norm, limit)
             if inv != 1.0 or coef != 1.0:  # else nothing would change: write nothing
                 _clip(self._resolve(), prepared, inv, coef)
-        return grads, flag, norm
+        return flag, norm
 
     def _measure(
         self, prepared: _Plan | list[np.ndarray], inv: float, *, write: bool

@@ -54,7 +54,7 @@ from scaler_core._f32 import FLT_MIN
 from scaler_core._state import ScalerState, device_update, require_state
 from scaler_core._tree import leaves_with_paths, map_pairs
 
-from . import _torch_host
+from . import _numpy, _torch_host
 from ._common import (
     CLIP_EPS,
     LeafKind,
@@ -85,6 +85,8 @@ _NUMPY_DTYPES: dict[torch.dtype, np.dtype[Any]] = {
     torch.float64: np.dtype(np.float64),
 }
 _HALF = (torch.float16, torch.bfloat16)
+#: The dtypes the numba kernels read in place, by address.
+_WIDE = (torch.float32, torch.float64)
 
 
 def _numpy_dtype(dtype: Any) -> np.dtype[Any] | None:
@@ -151,9 +153,32 @@ def _shard(path: str, leaf: Any) -> tuple[torch.Tensor, tuple[Any, tuple[int, ..
     return local, ((leaf.device_mesh, tuple(dims)) if dims else None)
 
 
+def _flat_leaves(grads: list[Any] | tuple[Any, ...]) -> list[_Leaf] | None:
+    """:func:`_leaves` of a flat list or tuple of plain dense float tensors (and
+    ``None``), as the drop-in passes an optimizer's gradients: one loop, no tree walk.
+    ``None`` for anything else (the walk then validates it, and words any error)."""
+    out: list[_Leaf] = []
+    seen: set[int] = set()
+    for i, leaf in enumerate(grads):
+        if leaf is None:
+            continue
+        if type(leaf) is not torch.Tensor or leaf.dtype not in _NUMPY_DTYPES or leaf.is_sparse:
+            return None
+        if leaf.layout is not torch.strided:
+            return None
+        if id(leaf) not in seen:
+            seen.add(id(leaf))
+            out.append(_Leaf(f"grads[{i}]", leaf, leaf, None))
+    return out
+
+
 def _leaves(grads: Any) -> list[_Leaf]:
     """Every leaf validated (nothing is touched before all are), each tensor once, at
     its first path (the same tensor twice is unscaled, counted and reported once)."""
+    if type(grads) is list or type(grads) is tuple:
+        flat = _flat_leaves(grads)
+        if flat is not None:
+            return flat
     out: list[_Leaf] = []
     seen: set[int] = set()
     dtensor = _dtensor_type()
@@ -442,45 +467,73 @@ def _host_scale(scale: Any) -> float | None:
 
 
 def _numpy_view(t: torch.Tensor) -> np.ndarray:
-    """A NumPy view of a CPU tensor's memory (bfloat16 through its int16 bits)."""
+    """A NumPy view of a CPU tensor's memory (bfloat16 through its int16 bits).
+
+    A negative view (``torch._neg_view``) is viewed as the memory it negates: what
+    the CPU route does (multiply by positive factors, test finiteness, sum squares)
+    gives exactly the negated bits, since rounding is symmetric about zero.
+    """
     t = t.detach()
+    if t.is_neg():
+        t = torch._neg_view(t)  # the memory itself, its sign bit no longer flipped
     if t.dtype is torch.bfloat16:
         return t.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
     return t.numpy()
 
 
-def _views(values: Sequence[torch.Tensor]) -> list[np.ndarray]:
-    """NumPy views of the tensors, each tensor once (as unscale() treats it once)."""
-    unique = {id(v): v for v in values}
-    return [_numpy_view(v) for v in unique.values()]
+def _numpy_plan(tensors: Sequence[torch.Tensor]) -> _numpy.Plan:
+    """A plan for the numba kernels over distinct dense CPU tensors: contiguous float32
+    and float64 ones by address (``data_ptr``: a fraction of a microsecond, where a
+    NumPy view and its address cost several), the rest through NumPy views (a
+    negative view is its memory, as in :func:`_numpy_view`)."""
+    arrays: list[np.ndarray] = []
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for t in tensors:
+        if t.dtype in _WIDE and t.is_contiguous():
+            by_dtype.setdefault(t.dtype, []).append(t)
+        else:
+            arrays.append(_numpy_view(t))
+    blocks = {
+        _NUMPY_DTYPES[dtype]: ([t.data_ptr() for t in ts], [t.numel() for t in ts])
+        for dtype, ts in by_dtype.items()
+    }
+    return _numpy.plan_blocks(arrays, blocks, list(tensors))
+
+
+#: What the CPU route hands on: NumPy views (the NumPy backend validates and plans
+#: them), a plan for the numba kernels, or one for PyTorch's (:mod:`._torch_host`).
+_Prepared = list[np.ndarray] | _numpy.Plan | _torch_host.Plan
 
 
 def _host_route(
     leaves: Sequence[tuple[str, torch.Tensor]], scale: Any, *, torch_kernels: bool = False
-) -> tuple[list[np.ndarray] | _torch_host.Plan, float] | None:
-    """NumPy views of the gradients and the scale as a float, when every gradient is a
-    dense CPU tensor and the scale is on the host: then the NumPy kernels serve (one
-    pass for the norm, and no write on a skipped step). ``None`` otherwise.
+) -> tuple[_Prepared, float] | None:
+    """The gradients prepared for the NumPy backend's kernels and the scale as a float,
+    when every gradient is a dense CPU tensor and the scale is on the host: then one
+    pass gives the flag and the norm, and a skipped step writes nothing. ``None``
+    otherwise.
 
-    With ``torch_kernels``, where numba is missing (the NumPy path would run on one
-    thread, slower than PyTorch's own pair), the tensors themselves, each once, for
-    :mod:`._torch_host` (PyTorch's kernels, the same results), planned, when it serves
-    them.
+    With numba, a plan of the tensors' memory (unless two tensors overlap). Without
+    it, with ``torch_kernels``, the tensors planned for :mod:`._torch_host` (PyTorch's
+    kernels, the same results; the NumPy path would run on one thread, slower than
+    PyTorch's own pair), when it serves them. Else NumPy views, each tensor once.
     """
-    if not all(t.device.type == "cpu" and t.layout is torch.strided for _, t in leaves):
+    if not all(t.is_cpu and t.layout is torch.strided for _, t in leaves):
         return None
     host = _host_scale(scale)
     if host is None:
         return None
-    if torch_kernels:
-        from ._numpy import BACKEND as NUMPY  # noqa: PLC0415 - loaded with its kernels
-
-        if NUMPY.path != "numba":
-            tensors = list({id(t): t for _, t in leaves}.values())
-            prepared = _torch_host.plan(tensors)
-            if prepared is not None:
-                return prepared, host
-    return _views([t for _, t in leaves]), host
+    tensors = list({id(t): t for _, t in leaves}.values())
+    numpy_backend = _numpy.BACKEND  # read per call: a test or benchmark may swap it
+    if numpy_backend.path == "numba":
+        planned = _numpy_plan(tensors)
+        if not planned.aliased:
+            return planned, host
+    elif torch_kernels:
+        prepared = _torch_host.plan(tensors)
+        if prepared is not None:
+            return prepared, host
+    return [_numpy_view(t) for t in tensors], host
 
 
 def _torch_host_clip(
@@ -583,7 +636,7 @@ def _put(grads: Any, replaced: dict[int, torch.Tensor]) -> Any:
 
 def _route(
     leaves: Sequence[_Leaf], scale: Any, *, torch_kernels: bool = False
-) -> tuple[list[np.ndarray] | _torch_host.Plan, float] | None:
+) -> tuple[_Prepared, float] | None:
     """:func:`_host_route` for the leaves; never for a sharded one (its norm is summed
     over ranks between the read and the write)."""
     if any(leaf.spread is not None for leaf in leaves):
@@ -621,9 +674,11 @@ class TorchBackend:
         leaves = _leaves(grads)
         route = _route(leaves, scale)
         if route is not None:
-            from ._numpy import BACKEND as NUMPY  # noqa: PLC0415 - loaded with its kernels
-
-            _, found, norm = NUMPY.unscale_norm(*route)
+            prepared, host = route
+            if isinstance(prepared, list):
+                _, found, norm = _numpy.BACKEND.unscale_norm(prepared, host)
+            else:
+                found, norm = _numpy.BACKEND.norm_planned(prepared, inv_scale_of(host))
             return grads, torch.tensor(bool(found)), torch.tensor(float(norm))
         replaced, values, flag = _unscale(leaves, scale, inv, check)
         return _put(grads, replaced), flag, _norm(leaves, values, flag.device)
@@ -649,8 +704,7 @@ class TorchBackend:
         leaves = _leaves(grads)
         route = _route(leaves, scale, torch_kernels=True)
         if route is not None:
-            from ._numpy import BACKEND as NUMPY  # noqa: PLC0415 - loaded with its kernels
-
+            numpy_backend = _numpy.BACKEND
             decided: list[torch.Tensor] = []
 
             def decide(found: Any) -> Any:
@@ -660,11 +714,15 @@ class TorchBackend:
                 decided.append(flag)
                 return np.bool_(self.to_bool(flag))
 
-            on_host, host = route
-            if isinstance(on_host, _torch_host.Plan):
-                host_norm = _torch_host_clip(on_host, host, limit, decide)
+            prepared, host = route
+            if isinstance(prepared, _torch_host.Plan):
+                host_norm = _torch_host_clip(prepared, host, limit, decide)
+            elif isinstance(prepared, list):
+                _, _, host_norm = numpy_backend.unscale_clip(prepared, host, limit, decide)
             else:
-                _, _, host_norm = NUMPY.unscale_clip(on_host, host, limit, decide)
+                _, host_norm = numpy_backend.clip_planned(
+                    prepared, inv_scale_of(host), limit, decide
+                )
             return grads, decided[0], torch.tensor(float(host_norm))
         replaced, values, flag = _unscale(leaves, scale, inv, check)
         norm = _norm(leaves, values, flag.device)

@@ -10,13 +10,14 @@ PyTorch's kernels, on PyTorch's threads (``torch.set_num_threads`` is honoured):
    cache, are widened to float64 and summed as squares (``torch.dot``); a finite
    sum proves every product finite (float64 squares of float32 or half values
    cannot overflow; float64 gradients get an exact ``isfinite`` re-check).
-   Gradients smaller than a chunk are gathered into the scratch buffer first
-   (``torch.cat``), so 2000 small tensors cost a few calls, not thousands.
+   Gradients smaller than a chunk are gathered into the scratch buffer first (a
+   byte copy each, ``ctypes.memmove``), so 2000 small tensors cost a few kernel
+   calls, not thousands.
 2. On a skipped step nothing is written. Otherwise ``(x * inv) * coef`` is
    stored, two roundings as the NumPy kernels do, a chunk at a time so the second
-   product reads the chunk from cache; small tensors by ``torch._foreach_mul_``
-   (float32 and float64 only: for half types that kernel rounds the factor to the
-   half type first, so they take ``mul_`` tensor by tensor).
+   product reads the chunk from cache; small tensors are gathered again, multiplied
+   in the scratch buffer and copied back (PyTorch's ``_foreach_mul_`` on the CPU
+   costs about 5 us a tensor and a call, more than the copies and the arithmetic).
 
 The chunks' float64 sums are added exactly (``math.fsum``) as on every other path;
 the norm is within one float32 ulp of the exact norm, like theirs. Tensors that
@@ -26,6 +27,7 @@ are not contiguous, or that share memory with one another, are not served here
 
 from __future__ import annotations
 
+import ctypes
 import math
 from collections.abc import Sequence
 
@@ -36,29 +38,32 @@ from ._common import NORM_CHUNK
 __all__ = ["Plan", "measure", "plan", "write_clip"]
 
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
-_HALF = (torch.float16, torch.bfloat16)
 #: Elements per chunk: the float64 scratch (1 MiB) and the product stay in L2.
 _CHUNK = NORM_CHUNK
 
 
 class Plan:
-    """The tensors of one call by dtype: flat views of the large ones (cut into chunks)
-    and the small ones as given, with 1-D views of them for gathering."""
+    """The tensors of one call by dtype: flat views of the large ones, cut into chunks,
+    and the small ones in batches that fill a chunk, each batch its elements' count
+    and every tensor's ``(address, bytes)`` (contiguous, so a byte copy moves it)."""
 
-    __slots__ = ("groups",)
+    __slots__ = ("groups", "keep")
 
-    def __init__(self) -> None:
-        #: dtype -> (chunks of large tensors, small tensors, their 1-D views)
+    def __init__(self, keep: list[torch.Tensor]) -> None:
+        self.keep = keep  # the batches hold raw addresses: keep the tensors alive
+        #: dtype -> (chunks of large tensors, batches of small ones)
         self.groups: dict[
-            torch.dtype, tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]
+            torch.dtype, tuple[list[torch.Tensor], list[tuple[int, list[tuple[int, int]]]]]
         ] = {}
 
 
 def plan(tensors: Sequence[torch.Tensor]) -> Plan | None:
     """A :class:`Plan` when this route serves ``tensors`` (distinct, dense CPU tensors):
-    each contiguous, of a float dtype, no two sharing memory; ``None`` otherwise."""
+    each contiguous, of a float dtype, no two sharing memory; ``None`` otherwise. A
+    negative view (``torch._neg_view``) is planned as its memory: multiplying by
+    positive factors and summing squares give exactly the negated results."""
     spans = []
-    out = Plan()
+    out = Plan(list(tensors))
     groups = out.groups
     for t in tensors:
         dtype = t.dtype
@@ -67,21 +72,43 @@ def plan(tensors: Sequence[torch.Tensor]) -> Plan | None:
         n = t.numel()
         if not n:
             continue
-        start = t.data_ptr()
-        spans.append((start, start + t.nbytes))
+        start, nbytes = t.data_ptr(), t.nbytes
+        spans.append((start, start + nbytes))
         group = groups.get(dtype)
         if group is None:
-            group = groups[dtype] = ([], [], [])
+            group = groups[dtype] = ([], [])
         if n >= _CHUNK // 2:
             flat = t.view(-1)
             group[0].extend(flat[lo : lo + _CHUNK] for lo in range(0, n, _CHUNK))
-        else:
-            group[1].append(t)
-            group[2].append(t if t.dim() == 1 else t.view(-1))
+            continue
+        batches = group[1]
+        if not batches or batches[-1][0] + n > _CHUNK:
+            batches.append((0, []))
+        filled, items = batches[-1]
+        items.append((start, nbytes))
+        batches[-1] = (filled + n, items)
     spans.sort()
     if any(spans[i][1] > spans[i + 1][0] for i in range(len(spans) - 1)):
         return None
     return out
+
+
+def _gather(scratch: torch.Tensor, batch: tuple[int, list[tuple[int, int]]]) -> torch.Tensor:
+    """The batch's tensors, one after another, in the front of ``scratch``."""
+    filled, items = batch
+    at = scratch.data_ptr()
+    for start, nbytes in items:
+        ctypes.memmove(at, start, nbytes)
+        at += nbytes
+    return scratch[:filled]
+
+
+def _scatter(gathered: torch.Tensor, items: list[tuple[int, int]]) -> None:
+    """Copy ``gathered`` back into the tensors it was gathered from."""
+    at = gathered.data_ptr()
+    for start, nbytes in items:
+        ctypes.memmove(start, at, nbytes)
+        at += nbytes
 
 
 #: Below this norm a product that falls into float32's subnormal range (and is rounded
@@ -112,7 +139,7 @@ def _measure(prepared: Plan, inv: float, *, scaled: bool) -> tuple[bool, list[fl
     found = False
     sums: list[float] = []
     with torch.no_grad():
-        for dtype, (chunks, _, small) in prepared.groups.items():
+        for dtype, (chunks, batches) in prepared.groups.items():
             scratch = torch.empty(_CHUNK, dtype=dtype)
             wide = torch.empty(_CHUNK, dtype=torch.float64)
             # float32 only: half products round, and float64 squares of the scaled values
@@ -122,17 +149,10 @@ def _measure(prepared: Plan, inv: float, *, scaled: bool) -> tuple[bool, list[fl
             for part in chunks:
                 prod = part if exact else torch.mul(part, inv, out=scratch[: part.numel()])
                 found = _reduce(prod, wide, factor, sums) or found
-            lo = 0
-            while lo < len(small):
-                hi, filled = lo, 0
-                while hi < len(small) and filled + small[hi].numel() <= _CHUNK:
-                    filled += small[hi].numel()
-                    hi += 1
-                gathered = scratch[:filled]
-                torch.cat(small[lo:hi], out=gathered)
+            for batch in batches:
+                gathered = _gather(scratch, batch)
                 prod = gathered if exact else gathered.mul_(inv)
                 found = _reduce(prod, wide, factor, sums) or found
-                lo = hi
     return found, sums
 
 
@@ -152,19 +172,14 @@ def _reduce(prod: torch.Tensor, wide: torch.Tensor, factor: float, sums: list[fl
 def write_clip(prepared: Plan, inv: float, coef: float) -> None:
     """Store ``(x * inv) * coef`` in every element, two roundings in the tensor's dtype."""
     with torch.no_grad():
-        for dtype, (chunks, small, _) in prepared.groups.items():
+        for dtype, (chunks, batches) in prepared.groups.items():
             for part in chunks:  # the second product reads the chunk from cache
                 part.mul_(inv)
                 if coef != 1.0:
                     part.mul_(coef)
-            if not small:
-                continue
-            if dtype in _HALF:  # _foreach_mul_ would round the factor to the half type
-                for t in small:
-                    t.mul_(inv)
-                    if coef != 1.0:
-                        t.mul_(coef)
-                continue
-            torch._foreach_mul_(small, inv)
-            if coef != 1.0:
-                torch._foreach_mul_(small, coef)
+            scratch = torch.empty(_CHUNK if batches else 0, dtype=dtype)
+            for batch in batches:
+                gathered = _gather(scratch, batch).mul_(inv)
+                if coef != 1.0:
+                    gathered.mul_(coef)
+                _scatter(gathered, batch[1])

@@ -747,8 +747,8 @@ def _bits(arrays: list[np.ndarray]) -> list[bytes]:
 @pytest.mark.parametrize("max_norm", [1.0, 1e9])
 @pytest.mark.parametrize(
     "sizes",
-    [(1, 7, 1000, 140_000, 300_001, 0, 33), (1024,) * 300, (5,)],
-    ids=["mixed", "many-small", "one"],
+    [(1, 7, 1000, 140_000, 300_001, 0, 33), (1024,) * 300, (60_000,) * 12 + (9,), (5,)],
+    ids=["mixed", "many-small", "batches", "one"],
 )
 def test_torch_cpu_clip_without_numba_runs_pytorchs_kernels_with_the_same_bits(
     monkeypatch: pytest.MonkeyPatch, scale: float, max_norm: float, sizes: tuple[int, ...]
@@ -850,3 +850,93 @@ def test_torch_cpu_clip_without_numba_at_the_edges_of_the_range(
     assert bool(found) == bool(w_found)
     assert np.float32(norm).tobytes() == np.float32(w_norm).tobytes()
     assert _bits([_host(t) for t in tensors]) == _bits(hosts)
+
+
+def _odd_tensors(torch: Any, seed: int, *, blocks_only: bool = False) -> list[Any]:
+    """Every kind of dense CPU tensor the route meets: all four dtypes, empty ones, a
+    view with a storage offset, negative views and (unless ``blocks_only``)
+    transposed, non-contiguous ones."""
+    tensors = _torch_tree(torch, seed, _TORCH_DTYPES, (1, 7, 1000, 140_000, 0, 33, 64, 5))
+    base = torch.from_numpy(np.arange(1.0, 201.0, dtype=np.float32) * 64)
+    tensors.append(base[100:])  # a storage offset; base[:100] is not in the set
+    tensors.append(torch._neg_view(torch.arange(1.0, 9.0) * 64))  # its memory is -x
+    if not blocks_only:
+        tensors.append(torch.from_numpy(np.arange(1.0, 41.0).reshape(8, 5) * 64).t())
+        tensors.append(torch._neg_view(torch.arange(1.0, 41.0).reshape(8, 5) * 64).t())
+    return tensors
+
+
+@pytest.mark.parametrize("numba", [True, False], ids=["numba", "no-numba"])
+@pytest.mark.parametrize("blocks_only", [True, False], ids=["contiguous", "any-layout"])
+@pytest.mark.parametrize("scale", [1024.0, 3000.0, 0.5])
+@pytest.mark.parametrize("max_norm", [1.0, 1e9])
+def test_torch_cpu_route_reads_addresses_and_keeps_the_bits(
+    monkeypatch: pytest.MonkeyPatch, numba: bool, blocks_only: bool, scale: float, max_norm: float
+) -> None:
+    """With numba, the torch backend hands the kernels its contiguous float32 and
+    float64 tensors by address (a NumPy view of each cost several microseconds a
+    tensor, more than PyTorch's own pair spends on small ones): only half types and
+    tensors that are not one block go through views. Without numba, contiguous sets
+    run on PyTorch's kernels, others on NumPy views. Negative views are their memory
+    negated. Bits, flag and norm are the reference's, for unscale_clip and
+    unscale_norm, on every route."""
+    torch = pytest.importorskip("torch")
+    if numba and not HAVE_NUMBA:
+        pytest.skip("numba is not installed")
+    from scaler_core.backends import _numpy, _torch
+    from scaler_core.backends._torch import BACKEND as TORCH
+
+    monkeypatch.setattr(_numpy, "BACKEND", fused.NumpyBackend(use_numba=numba))
+    viewed: list[Any] = []
+    view = _torch._numpy_view
+    monkeypatch.setattr(_torch, "_numpy_view", lambda t: viewed.append(t) or view(t))
+    for seed in range(2):
+        for op in ("clip", "norm"):
+            tensors = _odd_tensors(torch, seed, blocks_only=blocks_only)
+            hosts = [_host(t.resolve_neg()) for t in tensors]
+            viewed.clear()
+            if op == "clip":
+                _, found, norm = TORCH.unscale_clip(tensors, scale, max_norm)
+                _, w_found, w_norm = REFERENCE.unscale_clip(hosts, scale, max_norm)
+            else:
+                _, found, norm = TORCH.unscale_norm(tensors, scale)
+                _, w_found, w_norm = REFERENCE.unscale_norm(hosts, scale)
+            assert bool(found) == bool(w_found)
+            assert np.float32(norm).tobytes() == np.float32(w_norm).tobytes(), (op, norm, w_norm)
+            assert _bits([_host(t.resolve_neg()) for t in tensors]) == _bits(hosts), op
+            if not numba:
+                continue
+            by_view = {id(t) for t in viewed}
+            for t in tensors:
+                in_place = t.dtype in (torch.float32, torch.float64) and t.is_contiguous()
+                assert (id(t) in by_view) == (not in_place), (t.dtype, t.shape, t.stride())
+
+
+@pytest.mark.skipif(not HAVE_NUMBA, reason="numba is not installed")
+def test_torch_cpu_route_with_numba_leaves_overlapping_tensors_to_the_reference(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Two tensors over the same memory: the address plan sees the overlap, and the
+    call takes the reference's element-by-element order (its bits)."""
+    torch = pytest.importorskip("torch")
+    from scaler_core.backends import _numpy
+    from scaler_core.backends._torch import BACKEND as TORCH
+
+    monkeypatch.setattr(_numpy, "BACKEND", fused.NumpyBackend(use_numba=True))
+    base = torch.arange(1.0, 41.0) * 64
+    tensors = [base[:30], base[20:]]
+    assert _numpy.plan_blocks(
+        [], {np.dtype(np.float32): ([t.data_ptr() for t in tensors], [30, 20])}, tensors
+    ).aliased
+    copy = base.numpy().copy()
+    _, _, norm = TORCH.unscale_clip(tensors, 64.0, 1.0)
+    _, _, w_norm = REFERENCE.unscale_clip([copy[:30], copy[20:]], 64.0, 1.0)
+    assert float(norm) == float(w_norm)
+    assert base.numpy().tobytes() == copy.tobytes()
+
+
+def test_a_plan_takes_no_half_type_by_address() -> None:
+    """Half types are clipped through NumPy's casts from views: a block of one by
+    address would be skipped by the kernels, so the plan refuses it."""
+    with pytest.raises(TypeError, match="half types"):
+        fused.plan_blocks([], {np.dtype(np.float16): ([4096], [8])}, [])

@@ -506,24 +506,23 @@ _Prepared = list[np.ndarray] | _numpy.Plan | _torch_host.Plan
 
 
 def _host_route(
-    leaves: Sequence[tuple[str, torch.Tensor]], scale: Any, *, torch_kernels: bool = False
+    tensors: Sequence[torch.Tensor], scale: Any, *, torch_kernels: bool = False
 ) -> tuple[_Prepared, float] | None:
-    """The gradients prepared for the NumPy backend's kernels and the scale as a float,
-    when every gradient is a dense CPU tensor and the scale is on the host: then one
-    pass gives the flag and the norm, and a skipped step writes nothing. ``None``
-    otherwise.
+    """The gradients (distinct tensors) prepared for the NumPy backend's kernels and the
+    scale as a float, when every gradient is a dense CPU tensor and the scale is on the
+    host: then one pass gives the flag and the norm, and a skipped step writes nothing.
+    ``None`` otherwise.
 
     With numba, a plan of the tensors' memory (unless two tensors overlap). Without
     it, with ``torch_kernels``, the tensors planned for :mod:`._torch_host` (PyTorch's
     kernels, the same results; the NumPy path would run on one thread, slower than
-    PyTorch's own pair), when it serves them. Else NumPy views, each tensor once.
+    PyTorch's own pair), when it serves them. Else NumPy views.
     """
-    if not all(t.is_cpu and t.layout is torch.strided for _, t in leaves):
+    if not all(t.is_cpu and t.layout is torch.strided for t in tensors):
         return None
     host = _host_scale(scale)
     if host is None:
         return None
-    tensors = list({id(t): t for _, t in leaves}.values())
     numpy_backend = _numpy.BACKEND  # read per call: a test or benchmark may swap it
     if numpy_backend.path == "numba":
         planned = _numpy_plan(tensors)
@@ -637,13 +636,12 @@ def _put(grads: Any, replaced: dict[int, torch.Tensor]) -> Any:
 def _route(
     leaves: Sequence[_Leaf], scale: Any, *, torch_kernels: bool = False
 ) -> tuple[_Prepared, float] | None:
-    """:func:`_host_route` for the leaves; never for a sharded one (its norm is summed
-    over ranks between the read and the write)."""
+    """:func:`_host_route` for the leaves (each tensor once, as :func:`_leaves` gives
+    them); never for a sharded one (its norm is summed over ranks between the read and
+    the write)."""
     if any(leaf.spread is not None for leaf in leaves):
         return None
-    return _host_route(
-        [(leaf.path, leaf.local) for leaf in leaves], scale, torch_kernels=torch_kernels
-    )
+    return _host_route([leaf.local for leaf in leaves], scale, torch_kernels=torch_kernels)
 
 
 class TorchBackend:

@@ -7,7 +7,8 @@ PyTorch's kernels, on PyTorch's threads (``torch.set_num_threads`` is honoured):
 
 1. One read, nothing written: the products ``x * inv`` (in the gradient's dtype, as
    the rules round them) go a chunk at a time to a scratch buffer that stays in
-   cache, are widened to float64 and summed as squares (``torch.dot``); a finite
+   cache, are widened to float64, squared and summed (exact squares of float32 and
+   half values, summed by PyTorch's own reduction, not the BLAS); a finite
    sum proves every product finite (float64 squares of float32 or half values
    cannot overflow; float64 gradients get an exact ``isfinite`` re-check).
    Gradients smaller than a chunk are gathered into the scratch buffer first (a
@@ -38,23 +39,45 @@ from ._common import NORM_CHUNK
 __all__ = ["Plan", "measure", "plan", "write_clip"]
 
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
-#: Elements per chunk: the float64 scratch (1 MiB) and the product stay in L2.
-_CHUNK = NORM_CHUNK
+#: Elements per chunk of the read: the products and their float64 copy (2 MiB) stay
+#: in cache between the two kernels that square and sum them.
+_CHUNK = 2 * NORM_CHUNK
+#: Elements per chunk of the write: the second product reads the first from cache
+#: (L3). Fewer, larger chunks open fewer parallel regions (each costs microseconds).
+_WRITE_CHUNK = 8 * NORM_CHUNK
+#: Elements per batch of small tensors: below PyTorch's grain size (32768), so each
+#: kernel on a batch runs on the calling thread and opens no parallel region (waking
+#: the other threads costs more than the work, and far more on a busy machine).
+_BATCH = 1 << 15
+#: Small tensors of one dtype up to this many elements in all (64 MiB of float32) are
+#: gathered once, by the read, into a buffer the write multiplies and copies back
+#: from; more are gathered again by the write, a batch at a time.
+_HOLD = 1 << 24
+
+
+class _Group:
+    """One dtype's tensors: flat views of the large ones; the small ones in batches,
+    each its elements' count and every tensor's ``(address, bytes)`` (contiguous, so a
+    byte copy moves it), their elements in all, and (after the read, when they fit
+    :data:`_HOLD`) all of them gathered in one buffer, as ``(buffer, multiplied)``."""
+
+    __slots__ = ("batches", "held", "large", "small")
+
+    def __init__(self) -> None:
+        self.large: list[torch.Tensor] = []
+        self.batches: list[tuple[int, list[tuple[int, int]]]] = []
+        self.small = 0
+        self.held: tuple[torch.Tensor, bool] | None = None
 
 
 class Plan:
-    """The tensors of one call by dtype: flat views of the large ones, cut into chunks,
-    and the small ones in batches that fill a chunk, each batch its elements' count
-    and every tensor's ``(address, bytes)`` (contiguous, so a byte copy moves it)."""
+    """The tensors of one call, by dtype (see :class:`_Group`)."""
 
     __slots__ = ("groups", "keep")
 
     def __init__(self, keep: list[torch.Tensor]) -> None:
         self.keep = keep  # the batches hold raw addresses: keep the tensors alive
-        #: dtype -> (chunks of large tensors, batches of small ones)
-        self.groups: dict[
-            torch.dtype, tuple[list[torch.Tensor], list[tuple[int, list[tuple[int, int]]]]]
-        ] = {}
+        self.groups: dict[torch.dtype, _Group] = {}
 
 
 def plan(tensors: Sequence[torch.Tensor]) -> Plan | None:
@@ -72,35 +95,43 @@ def plan(tensors: Sequence[torch.Tensor]) -> Plan | None:
         n = t.numel()
         if not n:
             continue
-        start, nbytes = t.data_ptr(), t.nbytes
+        start = t.data_ptr()
+        nbytes = n * t.element_size()
         spans.append((start, start + nbytes))
         group = groups.get(dtype)
         if group is None:
-            group = groups[dtype] = ([], [])
+            group = groups[dtype] = _Group()
         if n >= _CHUNK // 2:
-            flat = t.view(-1)
-            group[0].extend(flat[lo : lo + _CHUNK] for lo in range(0, n, _CHUNK))
+            group.large.append(t.view(-1))
             continue
-        batches = group[1]
-        if not batches or batches[-1][0] + n > _CHUNK:
+        batches = group.batches
+        if not batches or batches[-1][0] + n > _BATCH:
             batches.append((0, []))
         filled, items = batches[-1]
         items.append((start, nbytes))
         batches[-1] = (filled + n, items)
+        group.small += n
     spans.sort()
     if any(spans[i][1] > spans[i + 1][0] for i in range(len(spans) - 1)):
         return None
     return out
 
 
-def _gather(scratch: torch.Tensor, batch: tuple[int, list[tuple[int, int]]]) -> torch.Tensor:
-    """The batch's tensors, one after another, in the front of ``scratch``."""
+def _widest(group: _Group) -> int:
+    """Elements of the group's largest batch (one small tensor can exceed ``_BATCH``)."""
+    return max((filled for filled, _ in group.batches), default=0)
+
+
+def _gather(into: torch.Tensor, batch: tuple[int, list[tuple[int, int]]]) -> torch.Tensor:
+    """The batch's tensors, one after another, in the front of ``into``."""
     filled, items = batch
-    at = scratch.data_ptr()
+    if filled > into.numel():  # raw copies: never past the end of the buffer
+        raise AssertionError(f"a batch of {filled} elements into a buffer of {into.numel()}")
+    at = into.data_ptr()
     for start, nbytes in items:
         ctypes.memmove(at, start, nbytes)
         at += nbytes
-    return scratch[:filled]
+    return into[:filled]
 
 
 def _scatter(gathered: torch.Tensor, items: list[tuple[int, int]]) -> None:
@@ -139,20 +170,26 @@ def _measure(prepared: Plan, inv: float, *, scaled: bool) -> tuple[bool, list[fl
     found = False
     sums: list[float] = []
     with torch.no_grad():
-        for dtype, (chunks, batches) in prepared.groups.items():
-            scratch = torch.empty(_CHUNK, dtype=dtype)
+        for dtype, group in prepared.groups.items():
+            scratch = torch.empty(_CHUNK if group.large else 0, dtype=dtype)
             wide = torch.empty(_CHUNK, dtype=torch.float64)
             # float32 only: half products round, and float64 squares of the scaled values
             # can overflow where the products' squares do not
             exact = scaled and dtype is torch.float32
             factor = inv * inv if exact else 1.0
-            for part in chunks:
+            for part in (c for flat in group.large for c in flat.split(_CHUNK)):
                 prod = part if exact else torch.mul(part, inv, out=scratch[: part.numel()])
                 found = _reduce(prod, wide, factor, sums) or found
-            for batch in batches:
-                gathered = _gather(scratch, batch)
+            # the small ones gathered where the write finds them again (when they fit)
+            hold = group.small <= _HOLD
+            into = torch.empty(group.small if hold else _widest(group), dtype=dtype)
+            at = 0
+            for batch in group.batches:
+                gathered = _gather(into[at:] if hold else into, batch)
+                at += batch[0] if hold else 0
                 prod = gathered if exact else gathered.mul_(inv)
                 found = _reduce(prod, wide, factor, sums) or found
+            group.held = (into, not exact) if hold else None
     return found, sums
 
 
@@ -161,7 +198,9 @@ def _reduce(prod: torch.Tensor, wide: torch.Tensor, factor: float, sums: list[fl
     whether a value of ``prod`` is NaN or +-inf."""
     w = wide[: prod.numel()]
     w.copy_(prod)
-    total = float(torch.dot(w, w))
+    # squared in place and summed by PyTorch's own reduction: torch.dot goes to the BLAS,
+    # whose threads (outside PyTorch's pool) took milliseconds a call to wake
+    total = float(w.square_().sum())
     sums.append(total * factor)
     if math.isfinite(total):
         return False
@@ -170,15 +209,28 @@ def _reduce(prod: torch.Tensor, wide: torch.Tensor, factor: float, sums: list[fl
 
 
 def write_clip(prepared: Plan, inv: float, coef: float) -> None:
-    """Store ``(x * inv) * coef`` in every element, two roundings in the tensor's dtype."""
+    """Store ``(x * inv) * coef`` in every element, two roundings in the tensor's dtype
+    (after :func:`measure`, whose gathered copies of the small tensors it reuses)."""
     with torch.no_grad():
-        for dtype, (chunks, batches) in prepared.groups.items():
-            for part in chunks:  # the second product reads the chunk from cache
+        for dtype, group in prepared.groups.items():
+            for part in (c for flat in group.large for c in flat.split(_WRITE_CHUNK)):
+                # the second product reads the chunk from cache
                 part.mul_(inv)
                 if coef != 1.0:
                     part.mul_(coef)
-            scratch = torch.empty(_CHUNK if batches else 0, dtype=dtype)
-            for batch in batches:
+            if group.held is not None:  # every small tensor, gathered by the read
+                held, multiplied = group.held
+                if not multiplied:
+                    held.mul_(inv)
+                if coef != 1.0:
+                    held.mul_(coef)
+                at = 0
+                for filled, items in group.batches:
+                    _scatter(held[at:], items)
+                    at += filled
+                continue
+            scratch = torch.empty(_widest(group), dtype=dtype)
+            for batch in group.batches:
                 gathered = _gather(scratch, batch).mul_(inv)
                 if coef != 1.0:
                     gathered.mul_(coef)

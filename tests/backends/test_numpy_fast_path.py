@@ -782,6 +782,41 @@ def test_torch_cpu_clip_without_numba_runs_pytorchs_kernels_with_the_same_bits(
     assert len(calls) == 3
 
 
+@pytest.mark.parametrize("scale", [1024.0, 3000.0])
+def test_torch_cpu_clip_without_numba_regathers_small_tensors_beyond_the_hold(
+    monkeypatch: pytest.MonkeyPatch, scale: float
+) -> None:
+    """Small tensors whose total is beyond what the read keeps gathered for the write
+    are gathered again by the write, a batch at a time: the same bits."""
+    torch = pytest.importorskip("torch")
+    from scaler_core.backends import _numpy, _torch_host
+    from scaler_core.backends._torch import BACKEND as TORCH
+
+    monkeypatch.setattr(_numpy, "BACKEND", fused.NumpyBackend(use_numba=False))
+    monkeypatch.setattr(_torch_host, "_HOLD", 1000)
+    held: list[Any] = []
+    write = _torch_host.write_clip
+    monkeypatch.setattr(
+        _torch_host,
+        "write_clip",
+        lambda p, *a: held.extend(g.held for g in p.groups.values()) or write(p, *a),
+    )
+    gen = torch.Generator().manual_seed(3)
+    sizes = (1024,) * 120 + (60_000, 300, 7, 70_000)  # two beyond a batch of 2**15
+    tensors = [
+        (torch.randn(n, generator=gen) * 100).to(getattr(torch, _TORCH_DTYPES[i % 4]))
+        for i, n in enumerate(sizes)
+    ]
+    hosts = [_host(t) for t in tensors]
+    _, found, norm = TORCH.unscale_clip(tensors, scale, 1.0)
+    _, w_found, w_norm = REFERENCE.unscale_clip(hosts, scale, 1.0)
+    assert not found  # a step: the write ran
+    assert held == [None] * 4  # every dtype's small tensors were beyond the hold
+    assert bool(found) == bool(w_found)
+    assert np.float32(norm).tobytes() == np.float32(w_norm).tobytes()
+    assert _bits([_host(t) for t in tensors]) == _bits(hosts)
+
+
 @pytest.mark.parametrize("bad", [np.inf, np.nan])
 def test_torch_cpu_clip_without_numba_writes_nothing_on_a_skip(
     monkeypatch: pytest.MonkeyPatch, bad: float

@@ -133,6 +133,9 @@ class Anchors:
         worker, anchor = WHERE[key]
         _, anchors, _, why = self.groups[worker]
         if anchor not in anchors:
+            missing = [m for m in _NEEDS.get(key, ()) if not _has(m)]
+            if missing:
+                why = f"needs {', '.join(missing)} (dependency group oracles; torch==2.13.0)"
             pytest.skip(f"{key}: {why}")
         if not self.procs:
             self._start_all()

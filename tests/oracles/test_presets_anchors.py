@@ -30,7 +30,7 @@ from hypothesis import strategies as st
 
 import scaler_core as sc
 from scaler_core._f32 import FLT_MAX, FLT_MIN, f32
-from scaler_core.testing import flag_sequences
+from scaler_core.testing import flag_sequences, scales
 
 Params = dict[str, Any]
 Case = tuple[Params, list[bool]]
@@ -452,8 +452,77 @@ def test_preset_equals_its_library_step_by_step(
         assert _STATED[kind] in text, (key, kind)
 
 
-def _hypothesis_params(key: str) -> st.SearchStrategy[Params]:
-    return st.integers(0, 2**32 - 1).map(lambda seed: random_params(key, random.Random(seed)))
+def _hypothesis_params(key: str, data: st.DataObject) -> Params:
+    """A config the library takes, drawn by hypothesis (so a failure shrinks to it):
+    any float32 scale, factors, windows, floors, hysteresis, each by the library's name."""
+    scale = st.one_of(st.sampled_from(_LOW + _HIGH + _MID), scales())
+    window = st.integers(1, 6)
+    if key == "flax":  # its static fields compile once per set: drawn from a few sets
+        interval, growth, backoff, floor = data.draw(st.sampled_from(_FLAX_STATIC))
+        init = data.draw(scale.filter(lambda x: floor is None or x >= floor), label="scale")
+        return {
+            "scale": init,
+            "growth_interval": interval,
+            "growth_factor": growth,
+            "backoff_factor": backoff,
+            "minimum_scale": floor,
+        }
+    if key.startswith("deepspeed"):  # DeepSpeed's scales are powers of two (or 3 * 2**k)
+        scale = st.builds(
+            lambda m, e: m * 2.0**e, st.sampled_from([1.0, 3.0]), st.integers(-120, 125)
+        )
+    init = data.draw(scale, label="init")
+    floor = st.one_of(st.sampled_from([1.0, 0.25, FLT_MIN]), scales()).filter(lambda x: x <= init)
+    growth, backoff = st.sampled_from(_GROWTH), st.sampled_from(_BACKOFF)
+    drawn: dict[str, st.SearchStrategy[Any]]
+    if key == "torch":
+        drawn = {
+            "init_scale": st.just(init),
+            "growth_factor": growth,
+            "backoff_factor": backoff,
+            "growth_interval": window,
+        }
+    elif key.startswith("deepspeed"):
+        drawn = {
+            "init_scale": st.just(init),
+            "scale_window": window,
+            "min_scale": floor,
+            "delayed_shift": st.integers(1, 4),
+            "consecutive_hysteresis": st.booleans(),
+            "raise_error_at_min_scale": st.booleans(),
+        }
+        if key == "deepspeed@0.17.0":
+            drawn["scale_factor"] = st.sampled_from([2.0, 4.0])
+    elif key == "megatron":
+        drawn = {
+            "initial_scale": st.just(init),
+            "min_scale": floor,
+            "growth_factor": growth,
+            "backoff_factor": backoff,
+            "growth_interval": window,
+            "hysteresis": st.integers(1, 4),
+        }
+    elif key in ("paddle", "paddle_static"):
+        if key == "paddle_static":
+            init = max(init, 1.0)  # its floor of 1 is above any smaller start
+        drawn = {
+            "init_loss_scaling": st.just(init),
+            "incr_ratio": growth,
+            "decr_ratio": backoff,
+            "incr_every_n_steps": window,
+            "decr_every_n_nan_or_inf": st.integers(1, 4),
+        }
+    elif key == "jmp":
+        drawn = {
+            "loss_scale": st.just(init),
+            "period": window,
+            "factor": st.sampled_from([2, 4]),
+            "min_loss_scale": floor,
+        }
+    else:
+        assert key == "keras"
+        drawn = {"initial_scale": st.just(init), "dynamic_growth_steps": window}
+    return data.draw(st.fixed_dictionaries(drawn), label="params")
 
 
 @pytest.mark.parametrize("key", sorted(PRESET))
@@ -463,7 +532,7 @@ def test_preset_equals_its_library_on_drawn_configs(
     key: str, anchors: Any, oracle_tally: dict[str, Any], data: st.DataObject
 ) -> None:
     release = anchors.version(key)
-    params = data.draw(_hypothesis_params(key), label="params")
+    params = _hypothesis_params(key, data)
     flags = data.draw(flag_sequences(max_size=120), label="flags")
     (theirs,) = anchors.run(key, [(params, flags)])
     n, kind = compare(key, params, flags, theirs)

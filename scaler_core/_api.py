@@ -31,7 +31,8 @@ def update(state: ScalerState, found_non_finite: Any, grad_norm: Any = None) -> 
     In plain words: a step with non-finite gradients is skipped; the growth
     tracker restarts and, once the hysteresis credit is spent, the scale is
     multiplied by ``backoff_factor`` (not below ``min_scale``). A clean step
-    counts towards ``growth_interval``; on reaching it the scale is multiplied
+    counts towards ``growth_interval`` (except the first ``growth_delay`` after
+    a skipped step, 0 by default); on reaching it the scale is multiplied
     by ``growth_factor`` unless that would overflow float32 or pass
     ``max_scale``. Every product is rounded to float32, so with the default
     config the trajectory equals PyTorch's ``GradScaler`` bit for bit. A step

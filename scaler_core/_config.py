@@ -138,6 +138,12 @@ class ScalerConfig:
             (an exponential window that starts as a plain average); detection
             starts once this many steps were seen. An int in [2, 2**24] (the
             step weight ``1 / n`` is then exact on every device).
+        growth_delay: Clean steps right after a non-finite step (and at the
+            start) that do not count toward ``growth_interval``: the first growth
+            after an overflow comes after ``growth_interval + growth_delay`` clean
+            steps, later ones every ``growth_interval`` (DeepSpeed >= 0.17.1
+            counts so: 1). 0 (the default) counts every clean step, as PyTorch.
+            An int in [0, 2**31 - 1 - growth_interval].
 
     Raises:
         InvalidConfigError: A field is out of range or of the wrong type.
@@ -165,6 +171,7 @@ class ScalerConfig:
     dynamic: bool = True
     spike_threshold: float | None = None
     spike_window: int = 128
+    growth_delay: int = 0
 
     def __post_init__(self) -> None:
         put = object.__setattr__
@@ -244,6 +251,19 @@ class ScalerConfig:
                 2,
                 f"an int in [2, {SPIKE_WINDOW_MAX}]",
                 high=SPIKE_WINDOW_MAX,
+            ),
+        )
+
+        put(
+            self,
+            "growth_delay",
+            _int(
+                "growth_delay",
+                self.growth_delay,
+                0,
+                f"an int in [0, {INT32_MAX - self.growth_interval}] (growth_interval + "
+                f"growth_delay must fit an int32 counter)",
+                high=INT32_MAX - self.growth_interval,
             ),
         )
 

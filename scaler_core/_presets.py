@@ -4,9 +4,9 @@ Each factory takes the anchor's own parameter names and defaults and returns a
 :class:`ScalerConfig` whose trajectories equal the anchor's step by step, except
 where noted in :attr:`PresetInfo.differences` (chiefly: scaler-core refuses a
 scale that would become 0, subnormal or infinite, where some anchors carry on).
-Oracle tests compare each preset with the real package where it is installable
-(PyTorch, jmp, flax, Keras) and with the published examples of the anchor's own
-test suite otherwise (DeepSpeed, Megatron-LM, Paddle, apex).
+Differential tests drive each preset and the real package side by side on the
+CPU (PyTorch, DeepSpeed, Megatron-LM, Paddle, jmp, flax, Keras); apex, which does
+not install without CUDA, is checked against a re-statement of its rule.
 
 Every factory also takes scaler-core's own ``spike_threshold=None`` and
 ``spike_window=128`` (spike skipping, off by default; no anchor has it in its
@@ -18,7 +18,7 @@ config unchanged: ``preset("megatron", spike_threshold=6.0)``.
 >>> preset("flax").growth_interval  # flax grows on the 2001st clean step
 2001
 >>> sorted(PRESETS)
-['apex', 'deepspeed', 'flax', 'jmp', 'keras', 'megatron', 'paddle', 'torch']
+['apex', 'deepspeed', 'flax', 'jmp', 'keras', 'megatron', 'paddle', 'paddle_static', 'torch']
 """
 
 from __future__ import annotations
@@ -104,12 +104,17 @@ def megatron(
 ) -> ScalerConfig:
     """Megatron-LM's ``DynamicGradScaler`` with the defaults of its arguments
     (``--initial-loss-scale 2**32 --min-loss-scale 1 --loss-scale-window 1000
-    --hysteresis 2``)."""
+    --hysteresis 2``).
+
+    Megatron keeps the scale, the floor and both factors in float32 tensors, so
+    they are rounded to float32 here as it rounds them (``backoff_factor=0.9`` is
+    used as ``0.8999999761581421``).
+    """
     return ScalerConfig(
-        init_scale=initial_scale,
-        min_scale=min_scale,
-        growth_factor=growth_factor,
-        backoff_factor=backoff_factor,
+        init_scale=f32(initial_scale),
+        min_scale=f32(min_scale),
+        growth_factor=f32(growth_factor),
+        backoff_factor=f32(backoff_factor),
         growth_interval=growth_interval,
         hysteresis=hysteresis,
         hysteresis_refill="on_growth",
@@ -118,30 +123,61 @@ def megatron(
     )
 
 
+#: The first DeepSpeed release whose DynamicLossScaler grows after scale_window + 1
+#: clean steps and has no scale_factor argument (its factor is 2).
+_DEEPSPEED_STABLE_INTERVAL = (0, 17, 1)
+
+
+def _release(name: str, value: str) -> tuple[int, ...]:
+    try:
+        parts = tuple(int(p) for p in value.split("."))
+    except (AttributeError, ValueError):
+        parts = ()
+    if not 1 <= len(parts) <= 3:  # noqa: PLR2004 - major.minor.patch
+        raise InvalidConfigError(
+            f"{name}={value!r}, but it must be None (the current release) or a release "
+            f"number such as '0.17.0'"
+        )
+    return parts
+
+
 def deepspeed(
     *,
-    init_scale: float = 2.0**32,
-    scale_factor: float = 2.0,
+    init_scale: float = 2.0**16,
     scale_window: int = 1000,
     min_scale: float = 1.0,
     delayed_shift: int = 2,
     consecutive_hysteresis: bool = False,
     raise_error_at_min_scale: bool = True,
+    scale_factor: float = 2.0,
+    version: str | None = None,
     spike_threshold: float | None = None,
     spike_window: int = 128,
 ) -> ScalerConfig:
-    """DeepSpeed's ``DynamicLossScaler`` as its fp16 config builds it
-    (``hysteresis`` → ``delayed_shift`` = 2, ``min_loss_scale`` = 1).
+    """DeepSpeed's ``DynamicLossScaler`` (ZeRO's scaler) as its fp16 config builds it:
+    ``initial_scale_power=16``, ``loss_scale_window=1000``, ``hysteresis`` →
+    ``delayed_shift`` = 2, ``min_loss_scale`` = 1.
 
-    ``init_scale`` is 2**32, the class default and older configs'
-    ``initial_scale_power=32``; recent DeepSpeed configs default to
-    ``initial_scale_power=16``: pass ``init_scale=2**16`` for those.
+    Since 0.17.1 (the default, ``version=None``) it grows first after
+    ``scale_window + 1`` clean steps following an overflow (or the start), then
+    every ``scale_window`` (``growth_delay=1``), and its factor is 2 (the class
+    takes no ``scale_factor``). ``version="0.17.0"`` (or any earlier release)
+    gives the older rule: growth every ``scale_window`` clean steps, and any
+    power-of-two ``scale_factor``.
     """
+    current = version is None or _release("version", version) >= _DEEPSPEED_STABLE_INTERVAL
+    if current and scale_factor != 2.0:  # noqa: PLR2004 - the class's fixed factor
+        raise InvalidConfigError(
+            f"scale_factor={scale_factor!r}, but DeepSpeed's DynamicLossScaler has no "
+            f"scale_factor since 0.17.1 (its factor is 2.0); pass version='0.17.0' for the "
+            f"older class that took one"
+        )
     return ScalerConfig(
         init_scale=init_scale,
         growth_factor=scale_factor,
         backoff_factor=_power_of_two_factor("scale_factor", scale_factor),
         growth_interval=scale_window,
+        growth_delay=1 if current else 0,
         min_scale=min_scale,
         at_min_scale="raise" if raise_error_at_min_scale else "hold",
         hysteresis=delayed_shift,
@@ -188,14 +224,16 @@ def flax(
     ``growth_interval + 1``-th clean step, and clamps growth at the largest
     float32 instead of refusing it. Its gradients are float32 whatever their
     dtype; scaler-core keeps the dtype (see ``PRESETS["flax"].differences``):
-    cast the scaled gradients to float32 before unscaling to get flax's.
+    cast the scaled gradients to float32 before unscaling to get flax's. The
+    factors and the floor are rounded to float32, as JAX rounds them.
     """
     return ScalerConfig(
         init_scale=scale,
-        growth_factor=growth_factor,
-        backoff_factor=backoff_factor,
+        # Python floats meet the float32 scale in JAX as float32 (weak types).
+        growth_factor=f32(growth_factor),
+        backoff_factor=f32(backoff_factor),
         growth_interval=growth_interval + 1,
-        min_scale=minimum_scale,
+        min_scale=None if minimum_scale is None else f32(minimum_scale),
         at_max_scale="clamp",
         spike_threshold=spike_threshold,
         spike_window=spike_window,
@@ -228,14 +266,43 @@ def paddle(
     spike_threshold: float | None = None,
     spike_window: int = 128,
 ) -> ScalerConfig:
-    """``paddle.amp.GradScaler`` (the ``update_loss_scaling`` kernel).
+    """``paddle.amp.GradScaler`` in dygraph mode (Paddle's default), ``GradScaler._update``.
 
-    Paddle keeps the ratios as float32 attributes, so they are rounded to
-    float32 here as Paddle rounds them (``decr_ratio=0.8`` is used as
-    ``0.800000011920929``). Its kernel never backs off below 1.
+    Paddle multiplies its float32 scale by the ratios as float32, so they are
+    rounded here as Paddle rounds them (``decr_ratio=0.8`` is used as
+    ``0.800000011920929``). A backoff has no floor, and a growth is not checked:
+    see :data:`PRESETS` for the static graph's ``update_loss_scaling`` operator
+    (``paddle_static``), which has both.
     """
     return ScalerConfig(
-        init_scale=init_loss_scaling,
+        init_scale=f32(init_loss_scaling),
+        growth_factor=f32(incr_ratio),
+        backoff_factor=f32(decr_ratio),
+        growth_interval=incr_every_n_steps,
+        hysteresis=decr_every_n_nan_or_inf,
+        hysteresis_refill="on_clean_step_or_backoff",
+        spike_threshold=spike_threshold,
+        spike_window=spike_window,
+    )
+
+
+def paddle_static(
+    *,
+    init_loss_scaling: float = 2.0**16,
+    incr_ratio: float = 2.0,
+    decr_ratio: float = 0.5,
+    incr_every_n_steps: int = 2000,
+    decr_every_n_nan_or_inf: int = 1,
+    spike_threshold: float | None = None,
+    spike_window: int = 128,
+) -> ScalerConfig:
+    """Paddle's ``update_loss_scaling`` operator: static-graph AMP
+    (``paddle.static.amp.decorate(..., level=...)``, whose defaults these are),
+    and ``GradScaler`` under PIR. Unlike dygraph's ``GradScaler`` it never backs off below 1 and
+    keeps the scale when a growth is not finite.
+    """
+    return ScalerConfig(
+        init_scale=f32(init_loss_scaling),
         growth_factor=f32(incr_ratio),
         backoff_factor=f32(decr_ratio),
         growth_interval=incr_every_n_steps,
@@ -274,8 +341,12 @@ _NO_COLLAPSE = (
     "(the anchor carries on with a useless scale)."
 )
 _INF_GROWTH = (
-    "A growth to an infinite scale is blocked (the anchor multiplies unchecked "
-    "and would reach inf past 2**127)."
+    "A growth past the largest float32 (from 2**127 by 2) is blocked: the scale stays "
+    "(the anchor multiplies unchecked and reaches inf)."
+)
+_FLOAT32_CONFIG = (
+    "A scale float32 cannot hold as a normal number (0, subnormal, above the largest "
+    "float32) is refused by the config, where the anchor starts with it."
 )
 
 PRESETS: Mapping[str, PresetInfo] = MappingProxyType(
@@ -288,7 +359,7 @@ PRESETS: Mapping[str, PresetInfo] = MappingProxyType(
                 "pytorch/pytorch aten/src/ATen/native/cpu/AmpGradScalerKernels.cpp "
                 "(_amp_update_scale_cpu_)",
                 torch,
-                "None in the trajectory (bit for bit). " + _NO_COLLAPSE,
+                "None in the trajectory (bit for bit). " + _NO_COLLAPSE + " " + _FLOAT32_CONFIG,
             ),
             PresetInfo(
                 "megatron",
@@ -296,20 +367,24 @@ PRESETS: Mapping[str, PresetInfo] = MappingProxyType(
                 "NVIDIA/Megatron-LM megatron/core/optimizer/grad_scaler.py",
                 megatron,
                 "Megatron's hysteresis tracker counts down past 0 where ours stays at 1 "
-                "(same decisions). " + _INF_GROWTH,
+                "(same decisions). Scales and factors are rounded to float32 as Megatron's "
+                "tensors round them. " + _INF_GROWTH + " " + _FLOAT32_CONFIG,
             ),
             PresetInfo(
                 "deepspeed",
                 "deepspeed.runtime.fp16.loss_scaler.DynamicLossScaler",
                 "deepspeedai/DeepSpeed deepspeed/runtime/fp16/loss_scaler.py",
                 deepspeed,
-                "DeepSpeed keeps the scale as a float64 Python float and divides by "
-                "scale_factor; for power-of-two factors that is the same float32 value "
-                "(other factors are refused). DeepSpeed raises a bare Exception at the "
-                "floor; we raise ScaleCollapseError and keep the state. The fused "
-                "FP16_Optimizer path has its own off-by-one growth rule (first growth "
-                "after scale_window + 1 clean steps), not reproduced. init_scale is 2**32 "
-                "(the class default; recent configs use initial_scale_power=16). " + _INF_GROWTH,
+                "DeepSpeed keeps the scale as a float64 Python float: a growth past the "
+                "largest float32 (from 2**127), which DeepSpeed makes, is blocked here (the "
+                "scale stays), and a scale float32 cannot hold exactly (init_scale=0.1, a "
+                "subnormal min_scale) is refused by the config. At the floor with "
+                "raise_error_at_min_scale, DeepSpeed raises a bare Exception; we raise "
+                "ScaleCollapseError at the same step and keep the state. version='0.17.0' "
+                "(the older rule): only power-of-two scale_factor values are taken (dividing "
+                "by them is then exact in float32 as in float64). The fused and unfused "
+                "FP16_Optimizer paths (no ZeRO) have their own rule, without hysteresis: "
+                "not reproduced.",
             ),
             PresetInfo(
                 "jmp",
@@ -317,7 +392,7 @@ PRESETS: Mapping[str, PresetInfo] = MappingProxyType(
                 "google-deepmind/jmp jmp/_src/loss_scale.py",
                 jmp,
                 "jmp divides by factor (only powers of two are accepted, so it is exact) "
-                "and stores the scale in the dtype you pass; we store float32.",
+                "and stores the scale in the dtype you pass; we store float32. " + _FLOAT32_CONFIG,
             ),
             PresetInfo(
                 "flax",
@@ -326,7 +401,7 @@ PRESETS: Mapping[str, PresetInfo] = MappingProxyType(
                 flax,
                 "None in the trajectory: its growth on the (N+1)-th clean step is "
                 "growth_interval=N+1, its clamp at float32 max is at_max_scale='clamp', "
-                "its default floor is float32 tiny. "
+                "its default floor is float32 tiny, its factors and floor are float32. "
                 + _NO_COLLAPSE.replace(
                     "0 or subnormal", "0 or subnormal (only with minimum_scale=None)"
                 )
@@ -339,23 +414,40 @@ PRESETS: Mapping[str, PresetInfo] = MappingProxyType(
                 "float64. flax divides by the scale, which XLA compiles into a multiply "
                 "by the reciprocal, scaler-core's f32(1/f64(scale)): the values agree. "
                 "Cast the scaled gradients to float32 before unscaling (before "
-                "tx.update) to get flax's gradients and flag bit for bit.",
+                "tx.update) to get flax's gradients and flag bit for bit. " + _FLOAT32_CONFIG,
             ),
             PresetInfo(
                 "keras",
                 "keras.optimizers.LossScaleOptimizer (Keras 3)",
                 "keras-team/keras keras/src/optimizers/loss_scale_optimizer.py",
                 keras,
-                _INF_GROWTH + " " + _NO_COLLAPSE,
+                _INF_GROWTH + " " + _NO_COLLAPSE + " " + _FLOAT32_CONFIG,
             ),
             PresetInfo(
                 "paddle",
-                "paddle.amp.GradScaler (update_loss_scaling)",
-                "PaddlePaddle/Paddle paddle/phi/kernels/impl/amp_kernel_impl.h",
+                "paddle.amp.GradScaler (dygraph)",
+                "PaddlePaddle/Paddle python/paddle/amp/grad_scaler.py (AmpScaler._update)",
                 paddle,
-                "Ratios are float32, as Paddle stores them. Paddle's bad-step counter "
-                "is hysteresis_refill='on_clean_step_or_backoff'; its floor of 1 is "
-                "min_scale=1.0.",
+                "Ratios and the initial scale are float32, as Paddle stores them. Paddle's "
+                "bad-step counter is hysteresis_refill='on_clean_step_or_backoff'. "
+                + _INF_GROWTH
+                + " "
+                + _NO_COLLAPSE
+                + " "
+                + _FLOAT32_CONFIG,
+            ),
+            PresetInfo(
+                "paddle_static",
+                "paddle update_loss_scaling operator (static graph, PIR)",
+                "PaddlePaddle/Paddle paddle/phi/kernels/impl/amp_kernel_impl.h",
+                paddle_static,
+                "None in the trajectory: ratios and the initial scale are float32, as Paddle "
+                "stores them; its bad-step counter is "
+                "hysteresis_refill='on_clean_step_or_backoff'; its floor of 1 is "
+                "min_scale=1.0, and its kept scale at a non-finite growth is the default "
+                "at_max_scale='block'. An initial scale below 1 (which the operator raises "
+                "to 1 at the first backoff) is refused by the config (min_scale=1.0 > "
+                "init_scale).",
             ),
             PresetInfo(
                 "apex",
@@ -375,7 +467,7 @@ def preset(name: str, **kwargs: Any) -> ScalerConfig:
 
     Args:
         name: One of :data:`PRESETS` (``torch``, ``megatron``, ``deepspeed``,
-            ``jmp``, ``flax``, ``keras``, ``paddle``, ``apex``).
+            ``jmp``, ``flax``, ``keras``, ``paddle``, ``paddle_static``, ``apex``).
         **kwargs: The anchor's own parameters, by its own names (for example
             ``preset("deepspeed", consecutive_hysteresis=True)``), and
             ``spike_threshold`` / ``spike_window`` to turn on spike skipping

@@ -30,21 +30,31 @@ __all__ = [
 
 SCHEMA = "scaler_core.state"
 #: Version 2 added spike skipping: the config's ``spike_threshold`` and
-#: ``spike_window``, the state's window statistics and ``last_kind``.
+#: ``spike_window``, the state's window statistics and ``last_kind``. A config
+#: with ``growth_delay`` set (DeepSpeed's preset) adds that key to its config; a
+#: config without it is written without the key, as before it existed, so a
+#: scaler-core that does not know the knob refuses only the checkpoints that need it.
 SCHEMA_VERSION = 2
 #: The versions :func:`from_dict` reads.
 READABLE_VERSIONS = (1, 2)
 _TORCH_KEYS = ("scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker")
 _CONFIG_FIELDS = tuple(f.name for f in dataclasses.fields(ScalerConfig))
 _SPIKE_CONFIG_FIELDS = ("spike_threshold", "spike_window")
+#: Config keys written only when they differ from their default.
+_OPTIONAL_CONFIG_FIELDS = ("growth_delay",)
 _STATE_KEYS = tuple(name for name in DATA_FIELDS if name != "failure")
+_DEFAULTS = {f.name: f.default for f in dataclasses.fields(ScalerConfig)}
 #: Per version: the config keys and the state keys a checkpoint holds.
 _KEYS = {
     1: (
-        tuple(f for f in _CONFIG_FIELDS if f not in _SPIKE_CONFIG_FIELDS),
+        tuple(
+            f
+            for f in _CONFIG_FIELDS
+            if f not in _SPIKE_CONFIG_FIELDS and f not in _OPTIONAL_CONFIG_FIELDS
+        ),
         tuple(k for k in _STATE_KEYS if k not in SPIKE_FIELDS),
     ),
-    2: (_CONFIG_FIELDS, _STATE_KEYS),
+    2: (tuple(f for f in _CONFIG_FIELDS if f not in _OPTIONAL_CONFIG_FIELDS), _STATE_KEYS),
 }
 
 
@@ -59,10 +69,14 @@ def to_dict(state: ScalerState) -> dict[str, Any]:
     ('scaler_core.state', 2, 65536.0)
     """
     host = state.to_host()
+    config = host.config.to_dict()
+    for name in _OPTIONAL_CONFIG_FIELDS:
+        if config[name] == _DEFAULTS[name]:
+            del config[name]
     return {
         "schema": SCHEMA,
         "version": SCHEMA_VERSION,
-        "config": host.config.to_dict(),
+        "config": config,
         "state": {name: getattr(host, name) for name in _STATE_KEYS},
     }
 
@@ -149,6 +163,8 @@ def _stat_field(where: str, value: object, *, low: float) -> float:
 
 def _config(where: str, data: object, keys: tuple[str, ...] = _CONFIG_FIELDS) -> ScalerConfig:
     fields = _mapping(where, data)
+    if keys is _KEYS[SCHEMA_VERSION][0]:  # the optional keys the current version may hold
+        keys = keys + tuple(f for f in _OPTIONAL_CONFIG_FIELDS if f in fields)
     _exact_keys(where, fields, keys)
     try:
         return ScalerConfig(**fields)

@@ -16,6 +16,10 @@ step into a :class:`StepKind`, then applies that kind. The rules:
   ``hysteresis_refill="on_growth"``, the hysteresis budget refills.
   Otherwise COUNT. With ``hysteresis_refill="on_clean_step"`` (or
   ``"on_clean_step_or_backoff"``) every clean step refills the budget.
+  With ``growth_delay=d`` the growth is due when the tracker reaches
+  ``growth_interval + d`` and a growth sets it to ``d`` instead of 0: the first
+  ``d`` clean steps after a non-finite step (or the start) do not count
+  (DeepSpeed >= 0.17.1 grows first after ``scale_window + 1`` clean steps).
 * Non-finite step, dynamic scale: ``growth_tracker = 0``. While more than one
   hysteresis credit is left, one is spent and the scale stays (HYSTERESIS).
   Otherwise the scale becomes ``f32(scale * backoff_factor)``, raised to
@@ -50,7 +54,7 @@ step into a :class:`StepKind`, then applies that kind. The rules:
 
 Invariants, after every step that did not fail: the scale is a finite, positive,
 normal float32 within ``[min_scale, max_scale]``; ``0 <= growth_tracker <
-growth_interval`` from a state that held it (a state whose interval was shortened
+growth_interval + growth_delay`` from a state that held it (a state whose interval was shortened
 below its tracker, as PyTorch's ``set_growth_interval`` allows, counts on without
 growing until a backoff, as PyTorch's kernel does); ``1 <= hysteresis_tracker <=
 hysteresis``;
@@ -791,7 +795,7 @@ def _classify(state: ScalerState, found_non_finite: bool, x: float | None) -> St
         return StepKind.SPIKE_SKIP
     if not cfg.dynamic:
         return StepKind.STATIC_CLEAN
-    if state.growth_tracker + 1 != cfg.growth_interval:
+    if state.growth_tracker + 1 != cfg.growth_interval + cfg.growth_delay:
         return StepKind.COUNT
     return StepKind.GROW if _grown(state) > state.scale else StepKind.GROWTH_BLOCKED
 
@@ -846,7 +850,7 @@ def host_update(
     elif kind in (StepKind.GROW, StepKind.GROWTH_BLOCKED):
         if kind is StepKind.GROW:
             scale = _grown(state)
-        growth = 0
+        growth = cfg.growth_delay
         hyst = cfg.hysteresis
     elif kind is StepKind.HYSTERESIS:
         growth = 0
@@ -1026,7 +1030,7 @@ def device_update(
     fail = xp.asarray(int(Failure.NONE), dtype=i32)
     if cfg.dynamic:
         growth1 = growth + one
-        at_interval = clean & (growth1 == cfg.growth_interval)
+        at_interval = clean & (growth1 == cfg.growth_interval + cfg.growth_delay)
         grown = _product(xp, scale, cfg.growth_factor)
         can_grow = xp.isfinite(grown)
         if cfg.max_scale is not None:
@@ -1054,8 +1058,9 @@ def device_update(
             xp.where(absorbed, scale, backed),
             xp.where(at_interval, candidate, scale),
         )
+        restart = xp.asarray(cfg.growth_delay, dtype=i32)
         new["growth_tracker"] = xp.where(
-            found | at_interval, zero, xp.where(spike, growth, growth1)
+            found, zero, xp.where(at_interval, restart, xp.where(spike, growth, growth1))
         )
         refill = at_interval if cfg.hysteresis_refill == "on_growth" else clean
         if cfg.hysteresis_refill == "on_clean_step_or_backoff":

@@ -122,6 +122,7 @@ def configs(
     )
     if draw(st.booleans()):
         kwargs["max_consecutive_skips"] = draw(st.integers(0, 30))
+    kwargs["growth_delay"] = draw(st.sampled_from([0, 0, 1, 2]))
     kwargs["dynamic"] = draw(st.booleans()) or draw(st.booleans())
     if spikes:
         kwargs["spike_threshold"] = draw(
@@ -167,7 +168,7 @@ def states(
     return ScalerState(
         config=cfg,
         scale=scale,
-        growth_tracker=draw(st.integers(0, cfg.growth_interval - 1)),
+        growth_tracker=draw(st.integers(0, cfg.growth_interval + cfg.growth_delay - 1)),
         hysteresis_tracker=draw(st.integers(1, cfg.hysteresis)),
         steps=steps,
         skipped_steps=skipped,
@@ -329,7 +330,10 @@ def check_invariants(state: ScalerState) -> None:
     need(cfg.min_scale is None or s >= cfg.min_scale, "scale >= min_scale")
     need(cfg.max_scale is None or s <= cfg.max_scale, "scale <= max_scale")
     need(cfg.dynamic or s == cfg.init_scale, "a static scale never changes")
-    need(0 <= state.growth_tracker < cfg.growth_interval, "0 <= growth_tracker < growth_interval")
+    need(
+        0 <= state.growth_tracker < cfg.growth_interval + cfg.growth_delay,
+        "0 <= growth_tracker < growth_interval + growth_delay",
+    )
     need(1 <= state.hysteresis_tracker <= cfg.hysteresis, "1 <= hysteresis_tracker <= hysteresis")
     need(
         0 <= state.consecutive_skips <= state.skipped_steps <= state.steps,

@@ -77,9 +77,10 @@ def test_each_policy_replays_the_spikes_trace_consistently() -> None:
             assert state.scale == res.scales[step], (name, step)
             state = sc.update(state, flag)
         assert res.final_scale == state.scale
-    # DeepSpeed's 2**32 must first back off until the step's gradient fits: the
-    # first overflow only spends the hysteresis credit, each later one halves.
-    scale, credit, t = 2.0**32, 2, 0
+    # DeepSpeed's 2**16 (its config's initial_scale_power) must first back off until the
+    # step's gradient fits: the first overflow only spends the hysteresis credit, each
+    # later one halves.
+    scale, credit, t = 2.0**16, 2, 0
     while trace.max_abs_grad[t] * scale > FP16_MAX:
         scale, credit = (scale, credit - 1) if credit > 1 else (scale / 2, credit)
         t += 1
@@ -93,10 +94,12 @@ def test_the_nan_burst_separates_floors_from_collapses() -> None:
     # No floor: 2**16 halves 142 times to 2**-126; the 143rd backoff is refused.
     assert results["torch"].collapse_step == 700 + 142
     assert results["keras"].collapse_step == 700 + 141  # starts at 2**15
-    # DeepSpeed: hysteresis absorbs step 700, 32 backoffs take 2**32 to the floor 1,
+    # Paddle's dygraph GradScaler has no floor either: 2**16 down to 2**-126.
+    assert results["paddle"].collapse_step == 700 + 142
+    # DeepSpeed: hysteresis absorbs step 700, 16 backoffs take 2**16 to the floor 1,
     # and raise_error_at_min_scale refuses the next overflow.
-    assert results["deepspeed"].collapse_step == 700 + 1 + 32
-    for name in ("jmp", "megatron", "paddle", "flax"):
+    assert results["deepspeed"].collapse_step == 700 + 1 + 16
+    for name in ("jmp", "megatron", "paddle_static", "flax"):
         res = results[name]
         assert not res.collapsed, name
         assert res.skipped_steps == 150

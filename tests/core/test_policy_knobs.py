@@ -1,4 +1,5 @@
-"""The knobs the presets need: growth at the ceiling (block/clamp) and Paddle's refill."""
+"""The knobs the presets need: growth at the ceiling (block/clamp), Paddle's refill and
+DeepSpeed's uncounted first clean step (growth_delay)."""
 
 from __future__ import annotations
 
@@ -83,3 +84,46 @@ def test_refill_on_backoff_needs_a_full_budget_again() -> None:
 def test_unknown_knob_values_are_refused_by_name(field: str, value: str) -> None:
     with pytest.raises(InvalidConfigError, match=f"{field}={value!r}"):
         ScalerConfig(**{field: value})
+
+
+# ------------------------------------------------------------------ growth_delay
+def _scales(config: ScalerConfig, flags: list[bool]) -> list[float]:
+    state, out = init(config), []
+    for flag in flags:
+        state = update(state, flag)
+        out.append(state.scale)
+    return out
+
+
+@pytest.mark.parametrize("delay", [0, 1, 3])
+def test_growth_delay_postpones_only_the_first_growth_after_a_skip(delay: int) -> None:
+    config = ScalerConfig(init_scale=64.0, growth_interval=2, growth_delay=delay)
+    flags = [False] * (2 + delay + 4) + [True] + [False] * (2 + delay)
+    scales = _scales(config, flags)
+    first = 2 + delay  # clean steps before the first growth
+    assert scales[first - 2] == 64.0
+    assert scales[first - 1] == 128.0
+    assert scales[first + 1] == 256.0  # then every growth_interval clean steps
+    assert scales[first + 3] == 512.0
+    after = first + 4  # the skipped step
+    assert scales[after] == 256.0
+    assert scales[after + first - 1] == 256.0
+    assert scales[after + first] == 512.0
+
+
+@pytest.mark.parametrize("bad", [-1, 1.5, True, 2**31 - 2, None])
+def test_growth_delay_is_validated_with_its_name(bad: Any) -> None:
+    with pytest.raises(InvalidConfigError, match=r"growth_delay=.*int in \[0, 2147483645\]"):
+        ScalerConfig(growth_interval=2, growth_delay=bad)
+
+
+def test_growth_delay_is_in_a_checkpoint_only_when_set() -> None:
+    from scaler_core import from_dict, to_dict
+
+    plain = to_dict(init())
+    assert "growth_delay" not in plain["config"]  # as written before the knob existed
+    state = update(init(ScalerConfig(growth_interval=3, growth_delay=1)), False)
+    saved = to_dict(state)
+    assert saved["config"]["growth_delay"] == 1
+    assert from_dict(saved) == state
+    assert from_dict(plain) == init()

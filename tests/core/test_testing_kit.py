@@ -43,6 +43,7 @@ def _fast(name: str) -> dict[str, Any]:
         "flax": "growth_interval",
         "keras": "dynamic_growth_steps",
         "paddle": "incr_every_n_steps",
+        "paddle_static": "incr_every_n_steps",
         "apex": "scale_window",
     }[name]
     return {key: 3}

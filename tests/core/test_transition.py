@@ -78,8 +78,10 @@ class Model:
         else:
             if cfg.dynamic:
                 self.growth += 1
-                if self.growth == cfg.growth_interval:
-                    self.growth = 0
+                if self.growth == cfg.growth_interval + cfg.growth_delay:
+                    # The first growth_delay clean steps after a skip are never counted
+                    # again: after a growth the count restarts past them.
+                    self.growth = cfg.growth_delay
                     grown = self.mul(cfg.growth_factor)
                     ok = np.isfinite(grown)
                     if cfg.max_scale is not None:
@@ -113,6 +115,7 @@ class ScalerMachine(RuleBasedStateMachine):
         self.state: sc.ScalerState
         self.model: Model
         self.clean_run = 0
+        self.grown_since_found = False
 
     @initialize(cfg=configs())
     def start(self, cfg: sc.ScalerConfig) -> None:
@@ -143,12 +146,17 @@ class ScalerMachine(RuleBasedStateMachine):
         assert self.model.matches(after), (after, self.model)
         cfg = before.config
         if cfg.dynamic and after.scale > before.scale:
-            # Growth only after exactly growth_interval clean steps.
+            # Growth only after exactly growth_interval clean steps (growth_interval +
+            # growth_delay since the last non-finite step or the start).
             assert kind is sc.StepKind.GROW
-            assert self.clean_run + 1 == cfg.growth_interval
+            delay = 0 if self.grown_since_found else cfg.growth_delay
+            assert self.clean_run + 1 == cfg.growth_interval + delay
         if found and cfg.dynamic:
             assert after.growth_tracker == 0, "a non-finite step resets the growth tracker"
-        self.clean_run = 0 if (found or after.growth_tracker == 0) else self.clean_run + 1
+        due = kind in (sc.StepKind.GROW, sc.StepKind.GROWTH_BLOCKED)
+        self.clean_run = 0 if (found or due) else self.clean_run + 1
+        if cfg.dynamic and (found or due):
+            self.grown_since_found = due
         self.state = after
 
     @invariant()

@@ -2,6 +2,7 @@
 environment whose BLAS gives the shipped numbers.
 
 ``ci`` (the default) is derandomized, so a red CI run is reproducible;
+``wheel`` is ``ci`` with 10 examples, for CI's run against the built wheel;
 ``explore`` runs many more random examples locally:
 ``HYPOTHESIS_PROFILE=explore pytest``.
 """
@@ -37,6 +38,11 @@ settings.register_profile(
     print_blob=True,
     suppress_health_check=[HealthCheck.too_slow],
 )
+# CI's second run, against the built wheel (.ci/run): the wheel's files are the checkout's,
+# byte for byte (CI checks), and the full suite has just tried them at ci's 100 examples.
+# What can differ there is what imports and which files are found, which the first example
+# of every test already meets; 10 keep each property test running a few shapes.
+settings.register_profile("wheel", parent=settings.get_profile("ci"), max_examples=10)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 

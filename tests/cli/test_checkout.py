@@ -78,5 +78,10 @@ def test_python_m_scaler_core_demo_from_the_root(env: dict[str, str]) -> None:
 
 
 def test_python_m_pytest_from_the_root(env: dict[str, str]) -> None:
+    # What differs from the parent run is the import path (the root on sys.path, the
+    # install hidden or not), not the code: every backend is built from this layout and
+    # checked against the protocol, and the NumPy ones (numba's cached kernels among them)
+    # take every check. The JAX and torch numeric checks run on these same files in the
+    # parent's test_contract.py; here they cost 10-15 s of each run for no new failure.
     args = ["-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/backends/test_contract.py"]
-    assert " passed" in _run(args, env).stdout
+    assert " passed" in _run([*args, "-k", "protocol or numpy"], env).stdout

@@ -199,16 +199,16 @@ class _Plan:
         self.nbytes = sum(a.nbytes for a in self.strided)
         for dtype, at in starts.items():
             addrs = np.array(at, dtype=np.intp)
-            counts = np.array(sizes[dtype], dtype=np.intp)
-            kept = counts > 0
+            lengths = np.array(sizes[dtype], dtype=np.intp)
+            kept = lengths > 0
             if not kept.all():
-                addrs, counts = addrs[kept], counts[kept]
-            if not counts.size:
+                addrs, lengths = addrs[kept], lengths[kept]
+            if not lengths.size:
                 continue
-            table = self.tables[dtype] = _Table(dtype, addrs, counts)
+            table = self.tables[dtype] = _Table(dtype, addrs, lengths)
             self.nbytes += table.nbytes
             low.append(addrs)
-            high.append(addrs + counts * dtype.itemsize)
+            high.append(addrs + lengths * dtype.itemsize)
         lows, highs = np.concatenate(low), np.concatenate(high)
         order = np.argsort(lows, kind="stable")
         self.aliased = bool(np.any(highs[order][:-1] > lows[order][1:]))

@@ -673,10 +673,10 @@ class TorchBackend:
         route = _route(leaves, scale)
         if route is not None:
             prepared, host = route
-            if isinstance(prepared, list):
-                _, found, norm = _numpy.BACKEND.unscale_norm(prepared, host)
-            else:
+            if isinstance(prepared, _numpy.Plan):
                 found, norm = _numpy.BACKEND.norm_planned(prepared, inv_scale_of(host))
+            else:  # NumPy views (a plan for PyTorch's kernels is made for clipping only)
+                _, found, norm = _numpy.BACKEND.unscale_norm(prepared, host)
             return grads, torch.tensor(bool(found)), torch.tensor(float(norm))
         replaced, values, flag = _unscale(leaves, scale, inv, check)
         return _put(grads, replaced), flag, _norm(leaves, values, flag.device)

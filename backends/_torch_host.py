@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import ctypes
 import math
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import torch
 
@@ -117,6 +117,14 @@ def plan(tensors: Sequence[torch.Tensor]) -> Plan | None:
     return out
 
 
+def _chunks(flats: list[torch.Tensor], size: int) -> Iterator[torch.Tensor]:
+    """Consecutive views of at most ``size`` elements of each flat tensor."""
+    for flat in flats:
+        n = flat.numel()
+        for lo in range(0, n, size):
+            yield flat[lo : lo + size]
+
+
 def _widest(group: _Group) -> int:
     """Elements of the group's largest batch (one small tensor can exceed ``_BATCH``)."""
     return max((filled for filled, _ in group.batches), default=0)
@@ -177,7 +185,7 @@ def _measure(prepared: Plan, inv: float, *, scaled: bool) -> tuple[bool, list[fl
             # can overflow where the products' squares do not
             exact = scaled and dtype is torch.float32
             factor = inv * inv if exact else 1.0
-            for part in (c for flat in group.large for c in flat.split(_CHUNK)):
+            for part in _chunks(group.large, _CHUNK):
                 prod = part if exact else torch.mul(part, inv, out=scratch[: part.numel()])
                 found = _reduce(prod, wide, factor, sums) or found
             # the small ones gathered where the write finds them again (when they fit)
@@ -213,7 +221,7 @@ def write_clip(prepared: Plan, inv: float, coef: float) -> None:
     (after :func:`measure`, whose gathered copies of the small tensors it reuses)."""
     with torch.no_grad():
         for dtype, group in prepared.groups.items():
-            for part in (c for flat in group.large for c in flat.split(_WRITE_CHUNK)):
+            for part in _chunks(group.large, _WRITE_CHUNK):
                 # the second product reads the chunk from cache
                 part.mul_(inv)
                 if coef != 1.0:

@@ -35,7 +35,7 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
-from scaler_core._errors import BackendUnavailableError
+from scaler_core._errors import BackendUnavailableError, InvalidArgumentError
 
 from ._common import NORM_CHUNK, clip_coefficient, inv_scale_of, max_norm_of, norm_of_sums
 from ._numpy_reference import (
@@ -179,7 +179,10 @@ class _Plan:
         sizes: dict[np.dtype[Any], list[int]] = {}
         for dtype, (addresses, counts) in (blocks or {}).items():
             if dtype not in _WIDE:
-                raise TypeError(f"a block of {dtype}: half types are planned from arrays")
+                raise InvalidArgumentError(
+                    f"blocks has a block of dtype {dtype}, but blocks must be float32 or float64 "
+                    f"(half types go through NumPy's casts); pass their arrays in arrays instead"
+                )
             starts.setdefault(dtype, []).extend(addresses)
             sizes.setdefault(dtype, []).extend(counts)
         bounds: list[tuple[int, int]] = []

@@ -34,6 +34,8 @@ from collections.abc import Iterator, Sequence
 
 import torch
 
+from scaler_core._errors import BackendContractError
+
 from ._common import NORM_CHUNK
 
 __all__ = ["Plan", "measure", "plan", "write_clip"]
@@ -134,7 +136,10 @@ def _gather(into: torch.Tensor, batch: tuple[int, list[tuple[int, int]]]) -> tor
     """The batch's tensors, one after another, in the front of ``into``."""
     filled, items = batch
     if filled > into.numel():  # raw copies: never past the end of the buffer
-        raise AssertionError(f"a batch of {filled} elements into a buffer of {into.numel()}")
+        raise BackendContractError(
+            f"a batch of {filled} elements, but the buffer holds {into.numel()}; the plan and "
+            f"the buffer disagree (a bug in scaler-core: please report it)"
+        )
     at = into.data_ptr()
     for start, nbytes in items:
         ctypes.memmove(at, start, nbytes)

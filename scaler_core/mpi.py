@@ -84,6 +84,8 @@ __all__ = [
 #: collision between replicas negligible.
 DIGEST_SIZE = 16
 _DOMAIN = b"scaler_core.fingerprint/2"
+#: Config fields added after fingerprints were pinned: encoded only when not default.
+_LATER_KNOBS = frozenset({"growth_delay"})
 _MPI: Any = None
 _buffers = threading.local()
 #: Timed-out requests, kept alive with their buffers (MPI may still write to them).
@@ -305,10 +307,16 @@ def _need_state(state: object) -> ScalerState:
 
 @functools.lru_cache(maxsize=64)
 def _config_bytes(config: ScalerConfig) -> bytes:
-    """The config's canonical encoding (configs are frozen, so it is computed once)."""
+    """The config's canonical encoding (configs are frozen, so it is computed once).
+
+    A knob added later is encoded only when it differs from its default (as
+    checkpoints write it), so every fingerprint of a config without it stays the one
+    an earlier scaler-core computes.
+    """
     return b"".join(
         b"\0config." + f.name.encode() + b"=" + _canonical(getattr(config, f.name))
         for f in dataclasses.fields(config)
+        if f.name not in _LATER_KNOBS or getattr(config, f.name) != f.default
     )
 
 

@@ -22,7 +22,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from scaler_core import GradientTypeError, GradientValueError, get_backend
+from scaler_core import GradientTypeError, GradientValueError, InvalidArgumentError, get_backend
 from scaler_core.backends import _numpy as fused
 from scaler_core.backends._numpy_reference import NumpyReferenceBackend
 from scaler_core.testing import scales
@@ -973,5 +973,5 @@ def test_torch_cpu_route_with_numba_leaves_overlapping_tensors_to_the_reference(
 def test_a_plan_takes_no_half_type_by_address() -> None:
     """Half types are clipped through NumPy's casts from views: a block of one by
     address would be skipped by the kernels, so the plan refuses it."""
-    with pytest.raises(TypeError, match="half types"):
+    with pytest.raises(InvalidArgumentError, match="half types"):
         fused.plan_blocks([], {np.dtype(np.float16): ([4096], [8])}, [])

@@ -113,6 +113,7 @@ def _field_variants(state: sc.ScalerState) -> list[tuple[str, sc.ScalerState]]:
         "dynamic": False,
         "spike_threshold": 3.0,
         "spike_window": 64,
+        "growth_delay": 1,
     }
     for name, value in config_changes.items():
         out.append(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.metadata
 import math
 from typing import Any
 
@@ -169,3 +170,35 @@ def test_the_report_names_the_leaf_with_a_fused_optimizer() -> None:
     assert [r.kind for r in reports] == [StepKind.BACKOFF, StepKind.COUNT]
     assert [str(leaf) for leaf in reports[0].leaves] == ["grads[1][0]: 1 inf, 1 nan"]
     assert reports[1].leaves == ()
+
+
+def _extra_requirements(requires: list[str], extra: str) -> set[str]:
+    """The distribution names an extra brings, following the project's own extras."""
+    marker = f'extra == "{extra}"'
+    names: set[str] = set()
+    for line in requires:
+        spec, _, env = line.partition(";")
+        if env.strip() != marker:
+            continue
+        name = spec.strip()
+        for stop in "<>=!~ ":
+            name = name.split(stop)[0]
+        base, _, bracket = name.partition("[")
+        if base == "scaler-core":
+            for inner in bracket.rstrip("]").split(","):
+                names |= _extra_requirements(requires, inner.strip())
+        else:
+            names.add(base)
+    return names
+
+
+def test_the_torch_extra_brings_numba() -> None:
+    """``pip install "scaler-core[torch]"`` brings numba: without it the drop-in's
+    ``unscale_and_clip_`` on CPU tensors is slower than the ``unscale_`` +
+    ``clip_grad_norm_`` pair it replaces (docs/performance.md, "The drop-in on CPU,
+    with numba and without")."""
+
+    requires = importlib.metadata.requires("scaler-core") or []
+    brought = _extra_requirements(requires, "torch")
+    assert "torch" in brought
+    assert "numba" in brought, f"the torch extra brings {sorted(brought)}, not numba"

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 import numbers
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,6 +28,7 @@ __all__ = [
     "HALF_DTYPES",
     "NORM_CHUNK",
     "LeafKind",
+    "bit_counts",
     "check_select_pair",
     "clip_coefficient",
     "flag_error",
@@ -213,3 +214,62 @@ def norm_of_sums(sums: Any) -> np.float32:
     with np.errstate(over="ignore"):
         norm: np.float32 = np.float32(math.sqrt(total))
     return norm
+
+
+_UINT = {2: np.dtype(np.uint16), 4: np.dtype(np.uint32), 8: np.dtype(np.uint64)}
+#: Per dtype: the bits without the sign, and the all-ones exponent. Above it: NaN; equal: inf.
+_BITS: dict[np.dtype[Any], tuple[np.unsignedinteger[Any], np.unsignedinteger[Any]]] = {
+    np.dtype(np.float16): (np.uint16(0x7FFF), np.uint16(0x7C00)),
+    np.dtype(ml_dtypes.bfloat16): (np.uint16(0x7FFF), np.uint16(0x7F80)),
+    np.dtype(np.float32): (np.uint32(0x7FFF_FFFF), np.uint32(0x7F80_0000)),
+    np.dtype(np.float64): (np.uint64(0x7FFF_FFFF_FFFF_FFFF), np.uint64(0x7FF0_0000_0000_0000)),
+}
+#: Elements per piece: 0.5 to 2 MiB of input, so a piece and its temporaries stay in
+#: cache (NumPy) and the temporaries stay small next to the gradients (CuPy).
+_PIECE = 1 << 18
+
+
+def _pieces(a: Any, per: int) -> Iterator[Any]:
+    """Views of ``a`` that together hold each element once, of at most ``per`` elements
+    where the layout allows: a C-contiguous array is cut flat, others along their first
+    axis (a row longer than ``per`` is cut in turn). Works for NumPy and CuPy arrays."""
+    if a.ndim == 0 or a.size <= per:
+        yield a
+    elif a.flags.c_contiguous:
+        flat = a.reshape(-1)
+        for start in range(0, flat.size, per):
+            yield flat[start : start + per]
+    else:
+        rows = a.shape[0]
+        row = a.size // rows
+        if row <= per:
+            step = per // row
+            for start in range(0, rows, step):
+                yield a[start : start + step]
+        else:
+            for i in range(rows):
+                yield from _pieces(a[i], per)
+
+
+def bit_counts(xp: Any, a: Any) -> tuple[Any, Any]:
+    """``(nan, inf)`` of one NumPy or CuPy array (``xp`` its module), from its bits.
+
+    An element is NaN when its bits without the sign exceed the all-ones exponent,
+    and +-inf when they equal it: that holds for the four accepted dtypes alike
+    (float16 and bfloat16 through their ``uint16`` view, no float arithmetic on a
+    half type), never raises a floating-point warning, and reads each element once,
+    in pieces that keep the temporaries in cache. NumPy gives ints; CuPy gives 0-d
+    device arrays (nothing read back).
+
+    >>> bit_counts(np, np.array([np.nan, np.inf, -np.inf, 1.0], np.float16))
+    (1, 2)
+    """
+    magnitude_mask, exponent = _BITS[np.dtype(a.dtype)]
+    bits = a.view(_UINT[a.dtype.itemsize])  # same itemsize: a view, whatever the strides
+    nan: Any = 0
+    inf: Any = 0
+    for piece in _pieces(bits, _PIECE):
+        magnitude = piece & magnitude_mask
+        nan = nan + xp.count_nonzero(magnitude > exponent)
+        inf = inf + xp.count_nonzero(magnitude == exponent)
+    return nan, inf

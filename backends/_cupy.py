@@ -47,11 +47,12 @@ from scaler_core._errors import (
 )
 from scaler_core._f32 import FLT_MIN, f32
 from scaler_core._state import ScalerState, convert_fields, device_update
-from scaler_core._tree import leaves_with_paths, map_pairs
+from scaler_core._tree import first_of_each, leaves_with_paths, map_pairs
 
 from ._common import (
     FLOAT_DTYPES,
     LeafKind,
+    bit_counts,
     check_select_pair,
     flag_error,
     host_flag,
@@ -746,11 +747,23 @@ class CupyBackend:
         """
         return device_update(_XP, state, _device_flag(found, "found_non_finite"), grad_norm)
 
-    def non_finite_leaves(self, grads: Any) -> tuple[Any, ...]:
-        """See :func:`scaler_core.non_finite_leaves`: counted on the GPU, one read back."""
-        from ._report import cupy_non_finite_leaves  # noqa: PLC0415 - loaded when asked for
+    def non_finite_counts(self, grads: Any) -> list[tuple[str, int, int]]:
+        """See :class:`scaler_core.Backend` (``non_finite_counts``): counted on the GPU from
+        the bits (:func:`bit_counts`), read back in one transfer.
 
-        return cupy_non_finite_leaves(grads)
+        Raises:
+            GradientTypeError: As ``unscale``: a leaf is not a CuPy array of an
+                accepted dtype.
+            GradientValueError: As ``unscale``: the leaves are on several GPUs.
+        """
+        leaves, paths = _validated(grads)
+        pairs = first_of_each(zip(paths, leaves, strict=True))
+        if not pairs:
+            return []
+        with _on_device(pairs[0][1].device.id):
+            rows = [cupy.stack([cupy.asarray(n) for n in bit_counts(cupy, a)]) for _, a in pairs]
+            host = cupy.asnumpy(cupy.stack(rows))  # the one transfer
+        return [(path, int(n), int(i)) for (path, _), (n, i) in zip(pairs, host, strict=True)]
 
 
 # ------------------------------------------------------------- multi-GPU

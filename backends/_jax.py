@@ -42,6 +42,7 @@ from scaler_core._state import (
     register_pytree,
     require_state,
 )
+from scaler_core._tree import first_of_each
 
 from ._common import (
     CLIP_EPS,
@@ -376,11 +377,42 @@ class JaxBackend:
         require_float32_factors(require_state(state).config)
         return device_update(jnp, state, _flag(found, "found_non_finite"), grad_norm)
 
-    def non_finite_leaves(self, grads: Any) -> tuple[Any, ...]:
-        """See :func:`scaler_core.non_finite_leaves`: one read back; not inside ``jax.jit``."""
-        from ._report import jax_non_finite_leaves  # noqa: PLC0415 - loaded when asked for
+    def non_finite_counts(self, grads: Any) -> list[tuple[str, int, int]]:
+        """See :class:`scaler_core.Backend` (``non_finite_counts``), on any pytree (paths as in
+        this backend's messages: ``grads`` + ``jax.tree_util.keystr``). The counts of
+        the leaves that live on the same devices are one jitted computation; all of
+        them are read back in one ``jax.device_get``; not inside ``jax.jit``.
 
-        return jax_non_finite_leaves(grads)
+        Raises:
+            GradientTypeError: As ``unscale``: a leaf is not a JAX array of an
+                accepted dtype; or a leaf is traced (inside ``jax.jit`` no count can
+                be read: call this outside, once ``to_bool(found)`` says the step
+                was skipped).
+        """
+        leaves, _, paths = jax_leaves(grads)
+        pairs = first_of_each(zip(paths, leaves, strict=True))
+        groups: dict[tuple[tuple[str, int], ...], list[int]] = {}
+        for i, (path, leaf) in enumerate(pairs):
+            if isinstance(leaf, jax.core.Tracer):
+                raise GradientTypeError(
+                    f"{path} is traced (inside jax.jit, vmap or shard_map), so its NaN and inf "
+                    f"cannot be counted on the host; call non_finite_leaves outside, for "
+                    f"example once to_bool(found) says the step was skipped"
+                )
+            key = tuple(sorted((d.platform, d.id) for d in leaf.devices()))
+            groups.setdefault(key, []).append(i)
+        outputs = [_counts([pairs[i][1] for i in indices]) for indices in groups.values()]
+        counts: list[tuple[int, int]] = [(0, 0)] * len(pairs)
+        for indices, host in zip(groups.values(), jax.device_get(outputs), strict=True):
+            for i, (nan, inf) in zip(indices, np.asarray(host).tolist(), strict=True):
+                counts[i] = (int(nan), int(inf))
+        return [(path, n, i) for (path, _), (n, i) in zip(pairs, counts, strict=True)]
+
+
+@jax.jit
+def _counts(leaves: list[Any]) -> Any:
+    """The ``(n, 2)`` NaN and inf counts of a list of leaves, one computation."""
+    return jnp.stack([jnp.stack([jnp.sum(jnp.isnan(g)), jnp.sum(jnp.isinf(g))]) for g in leaves])
 
 
 BACKEND = JaxBackend()

@@ -20,6 +20,7 @@ from ._common import (
     HALF_DTYPES,
     NORM_CHUNK,
     LeafKind,
+    bit_counts,
     check_select_pair,
     clip_coefficient,
     flag_error,
@@ -203,11 +204,14 @@ class NumpyReferenceBackend:
             state = state.to_host()
         return host_update(state, self.to_bool(found), grad_norm)
 
-    def non_finite_leaves(self, grads: Any) -> tuple[Any, ...]:
-        """See :func:`scaler_core.non_finite_leaves`: counted on the bits, nothing modified."""
-        from ._report import numpy_non_finite_leaves  # noqa: PLC0415 - _report imports this module
-
-        return numpy_non_finite_leaves(grads)
+    def non_finite_counts(self, grads: Any) -> list[tuple[str, int, int]]:
+        """See :class:`scaler_core.Backend` (``non_finite_counts``): counted on the bits
+        (:func:`bit_counts`), read-only arrays accepted, nothing modified."""
+        out = []
+        for path, leaf in numpy_leaves(grads, writable=False):
+            nan, inf = bit_counts(np, leaf)
+            out.append((path, int(nan), int(inf)))
+        return out
 
 
 BACKEND = NumpyReferenceBackend()

@@ -792,11 +792,52 @@ class TorchBackend:
         device = scale.device if isinstance(scale, torch.Tensor) else flag.device
         return device_update(TorchNamespace(device), state, flag.to(device), grad_norm)
 
-    def non_finite_leaves(self, grads: Any) -> tuple[Any, ...]:
-        """See :func:`scaler_core.non_finite_leaves`: one read back per device."""
-        from ._report import torch_non_finite_leaves  # noqa: PLC0415 - loaded when asked for
+    def non_finite_counts(self, grads: Any) -> list[tuple[str, int, int]]:
+        """See :class:`scaler_core.Backend` (``non_finite_counts``): counted where each tensor
+        lives (``torch.isnan``/``torch.isinf``, in pieces of :data:`_COUNT_PIECE`
+        elements), read back once per device. Leaves are read as every torch
+        operation reads them: a sparse tensor with duplicate indices as summed (in a
+        temporary), a DTensor over all its shards (the counts all-reduced over the
+        ranks holding them, so every rank names the leaf).
 
-        return torch_non_finite_leaves(grads)
+        Raises:
+            GradientTypeError: As ``unscale``: a leaf is not a dense or sparse COO
+                tensor of an accepted dtype.
+            GradientValueError: As ``unscale``: a DTensor placed as a partial sum.
+        """
+        leaves = _leaves(grads)  # each tensor once, at its first path
+        rows: list[torch.Tensor] = []
+        with torch.no_grad():
+            for leaf in leaves:
+                values = elements(leaf)
+                if values.is_contiguous() and values.numel() > _COUNT_PIECE:
+                    flat = values.reshape(-1)
+                    pieces = [
+                        flat[i : i + _COUNT_PIECE] for i in range(0, flat.numel(), _COUNT_PIECE)
+                    ]
+                else:
+                    pieces = [values]
+                nan = torch.zeros((), dtype=torch.int64, device=values.device)
+                inf = torch.zeros((), dtype=torch.int64, device=values.device)
+                for piece in pieces:
+                    nan = nan + torch.isnan(piece).sum()
+                    inf = inf + torch.isinf(piece).sum()
+                rows.append(torch.stack([nan, inf]))
+            rows = sum_over_shards(leaves, rows)
+            by_device: dict[torch.device, list[int]] = {}
+            for i, row in enumerate(rows):
+                by_device.setdefault(row.device, []).append(i)
+            counts: list[tuple[int, int]] = [(0, 0)] * len(leaves)
+            for indices in by_device.values():
+                host = torch.stack([rows[i] for i in indices]).tolist()  # one read per device
+                for i, (nan_count, inf_count) in zip(indices, host, strict=True):
+                    counts[i] = (int(nan_count), int(inf_count))
+        return [(leaf.path, n, i) for leaf, (n, i) in zip(leaves, counts, strict=True)]
+
+
+#: Elements per piece when counting NaN and inf: the temporaries are bool tensors, so
+#: large pieces (few launches) stay small next to the gradients.
+_COUNT_PIECE = 1 << 24
 
 
 def _default_device(scale: Any) -> torch.device:

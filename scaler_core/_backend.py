@@ -39,6 +39,13 @@ class Backend(Protocol):
     Flags ("found" values) are whatever the library keeps on its device: a NumPy
     bool for NumPy, a 0-d boolean array for CuPy, JAX and PyTorch. No method but
     :meth:`to_bool` may synchronise with the host.
+
+    Optional: ``non_finite_counts(grads) -> list[tuple[str, int, int]]``, what
+    :func:`scaler_core.non_finite_leaves` reads: each leaf once (at its first path,
+    in leaf order, the paths as in the backend's error messages) with its number of
+    NaN and of +-inf elements, as Python ints read back to the host. It validates
+    the leaves as :meth:`unscale` does, read-only arrays excepted, and modifies
+    nothing. The report itself is built once, by the core, for every backend.
     """
 
     #: The name the backend is registered under (``"numpy"``, ``"jax"``...).

@@ -3,12 +3,14 @@
 A diagnostic, paid for only when asked (typically on a skipped step): the flag
 of :func:`scaler_core.unscale` says *whether* some gradient held NaN or inf;
 :func:`non_finite_leaves` says *which* leaves, and how many of each. The
-counting is the backend's (``Backend.non_finite_leaves``); this module imports
-no array library.
+counting is the backend's (its optional ``non_finite_counts`` kernel: each leaf's
+path and counts); the report is written here, once, for every backend. This
+module imports no array library.
 """
 
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass
 from typing import Any
 
@@ -16,6 +18,14 @@ from ._backend import Backend, resolve_backend
 from ._errors import BackendContractError, InvalidArgumentError
 
 __all__ = ["LeafReport", "non_finite_leaves"]
+
+#: A backend's count of one leaf: ``(path, nan, inf)``.
+_ROW = 3
+
+
+def _is_count(value: object) -> bool:
+    """An integer >= 0 (a NumPy integer too), not a bool."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool) and int(value) >= 0
 
 
 def _count(name: str, value: object) -> None:
@@ -80,9 +90,9 @@ def non_finite_leaves(
 
     Raises:
         GradientTypeError: A leaf has a bad type or dtype, or libraries are mixed.
-        InvalidArgumentError: The backend has no ``non_finite_leaves`` method.
-        BackendContractError: The backend's method returned something other
-            than ``LeafReport`` objects.
+        InvalidArgumentError: The backend has no ``non_finite_counts`` method.
+        BackendContractError: The backend's counts are not ``(path, nan, inf)``
+            rows of a str and two ints >= 0.
 
     >>> import numpy as np
     >>> grads = {"layer3": {"w": np.array([np.inf, -np.inf, 1.0], np.float16)}, "b": None}
@@ -93,18 +103,27 @@ def non_finite_leaves(
     ()
     """
     chosen = resolve_backend(backend, grads)
-    method = getattr(chosen, "non_finite_leaves", None)
+    name = getattr(chosen, "name", chosen)
+    method = getattr(chosen, "non_finite_counts", None)
     if not callable(method):
         raise InvalidArgumentError(
-            f"backend {getattr(chosen, 'name', chosen)!r} ({type(chosen).__qualname__}) has no "
-            f"non_finite_leaves(grads) method; add one to it that returns a tuple of "
-            f"scaler_core.LeafReport, one per leaf holding NaN or inf, in leaf order"
+            f"backend {name!r} ({type(chosen).__qualname__}) has no non_finite_counts(grads) "
+            f"method; add one to it that returns (path, nan, inf) for each leaf, in leaf "
+            f"order, the counts as ints (see docs/reference.md, the backend protocol)"
         )
-    reports = tuple(method(grads))
-    for report in reports:
-        if not isinstance(report, LeafReport):
+    reports = []
+    for row in method(grads):
+        if not (
+            isinstance(row, tuple)
+            and len(row) == _ROW
+            and isinstance(row[0], str)
+            and all(_is_count(n) for n in row[1:])
+        ):
             raise BackendContractError(
-                f"backend {getattr(chosen, 'name', chosen)!r}: non_finite_leaves returned "
-                f"{report!r}, but it must return scaler_core.LeafReport objects"
+                f"backend {name!r}: non_finite_counts returned the row {row!r}, but each row "
+                f"must be a tuple (path: str, nan: int >= 0, inf: int >= 0); return one per leaf"
             )
-    return reports
+        path, nan, inf = row[0], int(row[1]), int(row[2])
+        if nan or inf:
+            reports.append(LeafReport(path, nan, inf))
+    return tuple(reports)

@@ -8,12 +8,12 @@ backend instead.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 from ._errors import GradientValueError, InvalidArgumentError
 
-__all__ = ["leaves_with_paths", "map_pairs"]
+__all__ = ["first_of_each", "leaves_with_paths", "map_pairs"]
 
 
 def leaves_with_paths(tree: Any, root: str = "grads") -> Iterator[tuple[str, Any]]:
@@ -55,6 +55,23 @@ def leaves_with_paths(tree: Any, root: str = "grads") -> Iterator[tuple[str, Any
             yield path, node
             continue
         stack.extend(reversed(children))
+
+
+def first_of_each(pairs: Iterable[tuple[str, Any]]) -> list[tuple[str, Any]]:
+    """Each leaf once (by identity), at its first path, in order: an array that appears
+    at several paths is read, unscaled, counted and reported once.
+
+    >>> a, b = [1.0], [2.0]
+    >>> first_of_each([("x", a), ("y", b), ("z", a)])
+    [('x', [1.0]), ('y', [2.0])]
+    """
+    out: list[tuple[str, Any]] = []
+    seen: set[int] = set()
+    for path, leaf in pairs:
+        if id(leaf) not in seen:
+            seen.add(id(leaf))
+            out.append((path, leaf))
+    return out
 
 
 def _structure_error(path: str, skip: str, step: str) -> InvalidArgumentError:

@@ -35,6 +35,7 @@ from .._errors import (
     ScaleCollapseError,
 )
 from .._f32 import FLT_MIN, f32
+from .._report import LeafReport, non_finite_leaves
 from .._state import ScalerState, host_update, init
 
 __all__ = ["BACKEND_CHECKS", "BackendSubject", "check_backend"]
@@ -320,6 +321,32 @@ def _check_find_non_finite(c: _Check) -> None:
         raise c.fail("the empty tree was flagged")
 
 
+def _check_leaf_report(c: _Check) -> None:
+    """Where the backend counts non-finite elements per leaf (the optional
+    ``non_finite_counts``): each leaf once, at its first path, with its NaN and inf
+    counts, for every dtype, nothing modified."""
+    if not callable(getattr(c.backend, "non_finite_counts", None)):
+        return  # optional: non_finite_leaves then tells the user what to add
+    for i, dtype in enumerate(c.subject.dtypes):
+        hosts = [_values(dtype, 1.0, 37, seed=500 + i), _values(dtype, 1.0, 5, seed=600)]
+        hosts[0][[3, 9]] = dtype.type(np.nan)
+        hosts[0][17] = dtype.type(np.inf)
+        hosts[0][20] = dtype.type(-np.inf)
+        grads = [c.array(h) for h in hosts]
+        tree = {"g": grads, "none": None, "tied": grads[0]}
+        try:
+            got = non_finite_leaves(tree, backend=c.backend)
+        except Exception as exc:
+            raise c.fail(f"non_finite_leaves on {dtype} leaves raised {exc!r}") from exc
+        want = (LeafReport("grads['g'][0]", 2, 2),)
+        if got != want:
+            raise c.fail(f"{dtype}: reported {got!r}, but the leaves hold {want!r}")
+        if not all(_same_bits(c.host(g), h) for g, h in zip(grads, hosts, strict=True)):
+            raise c.fail("non_finite_counts modified a gradient")
+    if non_finite_leaves({"none": None}, backend=c.backend) != ():
+        raise c.fail("a tree without leaves was reported")
+
+
 def _check_rejects_bad_leaves(c: _Check) -> None:
     """A bad leaf raises GradientTypeError naming its path, before any leaf is touched."""
     good_host = _values(c.subject.dtypes[-1], 4.0, 8, seed=400)
@@ -536,6 +563,7 @@ _CHECKS: Mapping[str, Callable[[_Check], None]] = MappingProxyType(
         "unscale_trees": _check_unscale_trees,
         "subnormals": _check_subnormals,
         "find_non_finite": _check_find_non_finite,
+        "leaf_report": _check_leaf_report,
         "norm_and_clip": _check_norm_and_clip,
         "rejects_bad_leaves": _check_rejects_bad_leaves,
         "rejects_bad_scales": _check_rejects_bad_scales,

@@ -101,7 +101,7 @@ def _delegate(attr: str) -> Callable[..., Any]:
     return method
 
 
-for _attr in (m for m in BACKEND_MEMBERS if m != "name"):
+for _attr in (*(m for m in BACKEND_MEMBERS if m != "name"), "non_finite_counts"):
     setattr(_Delegating, _attr, _delegate(_attr))
 
 
@@ -125,6 +125,20 @@ def _loss_in_float64(loss: Any, scale: Any) -> Any:
     return _reference().scale_loss(loss, scale).astype(np.float64)
 
 
+def _counts_every_path(grads: Any) -> Any:
+    """Counts at every path: an array that appears twice is reported twice."""
+    from scaler_core._tree import leaves_with_paths
+
+    return [
+        (p, int(np.isnan(a).sum()), int(np.isinf(a).sum())) for p, a in leaves_with_paths(grads)
+    ]
+
+
+def _counts_nan_only(grads: Any) -> Any:
+    """Counts NaN, forgets inf."""
+    return [(p, nan, 0) for p, nan, _ in _reference().non_finite_counts(grads)]
+
+
 def _select_unchecked(found: Any, on_skip: Any, on_step: Any) -> Any:
     """scaler-core's NumPy select before the contract suite: no structure check."""
     return on_skip if bool(found) else on_step
@@ -138,8 +152,18 @@ def _select_unchecked(found: Any, on_skip: Any, on_step: Any) -> Any:
         ({"select": _select_unchecked}, "select", "did not raise InvalidArgumentError"),
         ({"to_bool": bool}, "flags", "to_bool(1) did not raise"),
         ({"scale_loss": _loss_in_float64}, "scale_loss", "gave"),
+        ({"non_finite_counts": _counts_every_path}, "leaf_report", "grads['tied']"),
+        ({"non_finite_counts": _counts_nan_only}, "leaf_report", "nan=2, inf=0"),
     ],
-    ids=["float16-arithmetic", "checks-the-input", "select-unchecked", "to_bool-int", "loss-f64"],
+    ids=[
+        "float16-arithmetic",
+        "checks-the-input",
+        "select-unchecked",
+        "to_bool-int",
+        "loss-f64",
+        "report-every-path",
+        "report-no-inf",
+    ],
 )
 def test_check_backend_catches_a_broken_backend(
     replaced: dict[str, Callable[..., Any]], check: str, message: str

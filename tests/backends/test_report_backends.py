@@ -26,7 +26,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import scaler_core as sc
-from scaler_core.backends import _report
+from scaler_core.backends import _common
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 DTYPES = [np.dtype(np.float16), BF16, np.dtype(np.float32), np.dtype(np.float64)]
@@ -191,7 +191,9 @@ def torch_leaves(draw: st.DrawFn) -> Any:
 def test_torch_reports_exactly_the_non_finite_leaves(tree: Any, piece: int) -> None:
     pairs = walk(tree)
     before = [torch_bytes(t) for _, t in pairs]
-    with mock.patch.object(_report, "_TORCH_PIECE", piece):
+    from scaler_core.backends import _torch
+
+    with mock.patch.object(_torch, "_COUNT_PIECE", piece):
         reports = sc.non_finite_leaves(tree)
     assert got(reports) == expected([(p, torch_host(t)) for p, t in pairs])
     assert [torch_bytes(t) for _, t in pairs] == before, "non_finite_leaves modified a tensor"
@@ -522,7 +524,7 @@ def test_cupy_reports_exactly_the_non_finite_leaves(tree: Any, piece: int) -> No
     grads = device(tree)
     pairs = walk(grads)
     before = [cupy_host(a).tobytes() for _, a in pairs]
-    with mock.patch.object(_report, "_PIECE", piece):
+    with mock.patch.object(_common, "_PIECE", piece):
         reports = sc.non_finite_leaves(grads)
     assert got(reports) == expected([(p, cupy_host(a)) for p, a in pairs])
     assert [cupy_host(a).tobytes() for _, a in pairs] == before
@@ -572,10 +574,10 @@ def test_cupy_glue_on_the_cpu_with_numpy_standing_in() -> None:
     leaves = [tied, np.ones(3, np.float32).view(OnGpu), tied, np.array(-np.inf).view(OnGpu)]
     paths = ["grads['a']", "grads['b']", "grads['tied']", "grads['c']"]
     with (
-        mock.patch.dict(sys.modules, {"cupy": standin}),
+        mock.patch.object(_cupy, "cupy", standin),
         mock.patch.object(_cupy, "_validated", return_value=(leaves, paths)),
         mock.patch.object(_cupy, "_on_device", return_value=contextlib.nullcontext()),
     ):
-        reports = _report.cupy_non_finite_leaves(None)
+        reports = sc.non_finite_leaves(None, backend=_cupy.CupyBackend())
     assert got(reports) == [("grads['a']", 1, 1), ("grads['c']", 0, 1)]
     assert len(transfers) == 1

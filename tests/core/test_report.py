@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 
 import scaler_core as sc
 from scaler_core._backend import BACKEND_MEMBERS
-from scaler_core.backends import _report
+from scaler_core.backends import _common
 from scaler_core.backends._numpy import NumpyBackend
 from scaler_core.backends._numpy_reference import NumpyReferenceBackend
 
@@ -150,7 +150,7 @@ def test_reports_exactly_the_non_finite_leaves_with_their_counts(
 ) -> None:
     pairs = walk(tree)
     before = [a.tobytes() for _, a in pairs]
-    with mock.patch.object(_report, "_PIECE", piece):  # small pieces: every way of cutting
+    with mock.patch.object(_common, "_PIECE", piece):  # small pieces: every way of cutting
         reports = sc.non_finite_leaves(tree, backend=backend)
     assert got(reports) == expected(pairs)
     assert [a.tobytes() for _, a in pairs] == before, "non_finite_leaves modified a leaf"
@@ -304,7 +304,7 @@ def test_mixed_libraries_and_unknown_backends_are_refused() -> None:
 class _Plain:
     """A third-party backend: every Backend method (delegated to NumPy's, defined on
     the class below, as a backend must: ``__getattr__`` does not count), but no
-    non_finite_leaves."""
+    non_finite_counts."""
 
     name = "plain"
 
@@ -328,22 +328,49 @@ def test_a_backend_without_the_method_is_told_what_to_add() -> None:
         sc.non_finite_leaves({"w": np.array([np.inf])}, backend=backend)
     message = str(info.value)
     assert "'plain'" in message
-    assert "non_finite_leaves(grads)" in message
-    assert "LeafReport" in message
+    assert "non_finite_counts(grads)" in message
+    assert "(path, nan, inf)" in message
 
 
-def test_a_backend_returning_something_else_breaks_the_contract() -> None:
-    class Liar(NumpyReferenceBackend):
-        def non_finite_leaves(self, grads: Any) -> tuple[Any, ...]:
-            return (("grads['w']", 1, 0),)
+class _Counting(_Plain):
+    """A third-party backend with only the counting kernel: the core builds the report."""
 
-    with pytest.raises(sc.BackendContractError, match="LeafReport"):
-        sc.non_finite_leaves({"w": np.array([np.nan])}, backend=Liar())
+    name = "counting"
+
+    def __init__(self, rows: list[Any]) -> None:
+        self.rows = rows
+
+    def non_finite_counts(self, grads: Any) -> list[Any]:
+        return self.rows
+
+
+def test_the_core_builds_the_report_from_a_backends_counts() -> None:
+    rows = [("grads['a']", 0, 0), ("grads['b']", np.int64(2), 0), ("grads['c']", 0, 1)]
+    reports = sc.non_finite_leaves({"w": np.zeros(1)}, backend=_Counting(rows))
+    assert got(reports) == [("grads['b']", 2, 0), ("grads['c']", 0, 1)]
+    assert all(type(r.nan) is int and type(r.inf) is int for r in reports)
+
+
+@pytest.mark.parametrize(
+    "row",
+    [
+        ("grads['w']", 1.0, 0),
+        ("grads['w']", -1, 0),
+        ("grads['w']", True, 0),
+        ("grads['w']", 1),
+        (0, 1, 0),
+        ["grads['w']", 1, 0],
+        sc.LeafReport("grads['w']", 1, 0),
+    ],
+)
+def test_a_backend_returning_something_else_breaks_the_contract(row: Any) -> None:
+    with pytest.raises(sc.BackendContractError, match=r"\(path: str, nan: int >= 0"):
+        sc.non_finite_leaves({"w": np.array([np.nan])}, backend=_Counting([row]))
 
 
 def test_the_fast_numpy_backend_shares_the_reference_implementation() -> None:
-    assert NumpyBackend.non_finite_leaves is NumpyReferenceBackend.non_finite_leaves
-    assert sc.get_backend("numpy").non_finite_leaves({"w": np.zeros(1)}) == ()
+    assert NumpyBackend.non_finite_counts is NumpyReferenceBackend.non_finite_counts
+    assert sc.get_backend("numpy").non_finite_counts({"w": np.zeros(1)}) == [("grads['w']", 0, 0)]
 
 
 # ------------------------------------------------------------ LeafReport

@@ -27,9 +27,8 @@ except ImportError as exc:  # pragma: no cover - a setup error, explained
     ) from exc
 
 from benchmarks._contenders import CONTENDERS, NO_FLAG
+from benchmarks._results import next_result
 from benchmarks._sets import SETS, build
-
-RESULTS = Path(__file__).resolve().parent / "results"
 
 
 def machine() -> dict[str, Any]:
@@ -178,7 +177,12 @@ def main(argv: list[str] | None = None) -> int:
         default="cold",
         help="hot: an untimed call of the same contender right before each timed one",
     )
-    parser.add_argument("--out", type=Path, default=None, help="JSON path (default results/)")
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        help="JSON path (default: the next unscale-cpu[-small][-hot]-<n>.json in results/)",
+    )
     args = parser.parse_args(argv)
     names = [s for s in args.sets.split(",") if s]
     unknown = [s for s in names if s not in SETS]
@@ -210,8 +214,9 @@ def main(argv: list[str] | None = None) -> int:
     text = table(results)
     print(text)
     stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
-    kind = ("small" if args.small else "full") + ("-hot" if args.cache == "hot" else "")
-    out = args.out or RESULTS / f"{kind}-{stamp}.json"
+    options = {"small": args.small, "hot": args.cache == "hot"}
+    variant = "-".join(v for v, on in options.items() if on)
+    out = args.out or next_result("unscale", "cpu", variant)
     out.parent.mkdir(parents=True, exist_ok=True)
     payload = {
         "command": "python -m benchmarks " + " ".join(sys.argv[1:] if argv is None else argv),

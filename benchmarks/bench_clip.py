@@ -88,7 +88,6 @@ else:  # run as a script
     sys.path.insert(0, _ROOT)
     from benchmarks._sets import gpt2_small_shapes
 
-RESULTS = Path(_ROOT) / "benchmarks" / "results"
 #: A power of two: unscaling is exact, so every contender starts from the same values.
 SCALE = 2.0**10
 MAX_NORM = 1.0

@@ -24,6 +24,9 @@ Usage::
     python benchmarks/bench_jax.py [--small] [--device cpu|gpu|auto] [--reps 21]
         [--trees gpt2,many] [--sync flag|tree] [--json out.json]
 
+Without ``--json`` the rows go to the next ``jax-<device>[-small][-sync-tree]-<n>.json``
+in ``benchmarks/results/`` (the scheme of ``benchmarks/_results.py``).
+
 Times are wall-clock per call until the computation is done: by default the
 timer waits on the call's scalar output only (``--sync flag``), since all
 outputs of one XLA execution complete together (checked after every call,
@@ -37,8 +40,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import statistics
+import sys
 import time
 from collections.abc import Callable
 from typing import Any
@@ -48,6 +53,12 @@ import jax.numpy as jnp
 import numpy as np
 
 import scaler_core as sc
+
+if __package__:
+    from ._results import next_result
+else:  # run as a script
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    from benchmarks._results import next_result
 
 
 def gpt2_shapes(div: int = 1) -> list[tuple[int, ...]]:
@@ -173,7 +184,7 @@ def main() -> None:
     ap.add_argument(
         "--sync", default="flag", choices=["flag", "tree"], help="what the timer waits on"
     )
-    ap.add_argument("--json", default="bench_jax.json")
+    ap.add_argument("--json", default=None, help="where to write the rows (default: results/)")
     args = ap.parse_args()
     device = jax.devices()[0] if args.device == "auto" else jax.devices(args.device)[0]
     rows = run(args.trees.split(","), args.small, device, args.reps, many=args.many, sync=args.sync)
@@ -186,9 +197,12 @@ def main() -> None:
             f"{r['speedup_vs_jmp']:6.2f} {r['us_per_leaf']:8.2f} {r['compile_s']:9.1f}"
         )
     meta = {"device": str(device), "platform": device.platform, "jax": jax.__version__}
-    with open(args.json, "w") as f:
+    options = {"small": args.small, "sync-tree": args.sync == "tree"}
+    variant = "-".join(v for v, on in options.items() if on)
+    out = args.json or next_result("jax", device.platform, variant)
+    with open(out, "w") as f:
         json.dump({"meta": meta, "small": args.small, "rows": rows}, f, indent=2)
-    print(f"wrote {args.json}")
+    print(f"wrote {out}")
 
 
 if __name__ == "__main__":

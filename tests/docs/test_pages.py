@@ -345,6 +345,47 @@ def test_reference_names_every_backend_check_in_order() -> None:
     assert named == list(BACKEND_CHECKS)
 
 
+#: The header of docs/reference.md's table of the backend's members.
+_MEMBERS_HEADER = "| member | required | what it does |"
+#: Members a backend may add, looked up by name where they are used (scaler_core/_report.py
+#: finds ``non_finite_leaves`` with getattr): not in the protocol, not in BACKEND_MEMBERS.
+_OPTIONAL_MEMBERS = {"non_finite_leaves"}
+
+
+def backend_member_rows() -> dict[str, str]:
+    """docs/reference.md's table of backend members: each name and its "required" cell."""
+    lines = _section(DOCS / "reference.md", "## Backends").splitlines()
+    assert _MEMBERS_HEADER in lines, f"## Backends lost its table headed {_MEMBERS_HEADER!r}"
+    start = lines.index(_MEMBERS_HEADER)
+    assert re.fullmatch(r"(\|---)+\|", lines[start + 1]), lines[start + 1]
+    members: dict[str, str] = {}
+    for row in itertools.takewhile(lambda ln: ln.startswith("|"), lines[start + 2 :]):
+        first, required, *_ = (cell.strip() for cell in row.strip("|").split("|"))
+        name = re.fullmatch(r"`(\w+)`", first)
+        assert name is not None, f"{row!r}: the first cell must be a member name in backticks"
+        assert name.group(1) not in members, f"{name.group(1)} is listed twice"
+        members[name.group(1)] = required
+    return members
+
+
+def test_reference_lists_every_backend_member() -> None:
+    """The table names exactly the protocol's members, and marks the optional ones."""
+    import scaler_core as sc
+    from scaler_core._backend import BACKEND_MEMBERS
+
+    rows = backend_member_rows()
+    assert set(rows.values()) <= {"yes", "optional"}, rows
+    required = tuple(sorted(name for name, cell in rows.items() if cell == "yes"))
+    optional = {name for name, cell in rows.items() if cell == "optional"}
+    assert required == BACKEND_MEMBERS, (
+        f"docs/reference.md's required members miss {sorted({*BACKEND_MEMBERS} - {*required})}"
+        f" and add {sorted({*required} - {*BACKEND_MEMBERS})}, against scaler_core.Backend"
+    )
+    assert optional == _OPTIONAL_MEMBERS
+    numpy = sc.get_backend("numpy")
+    assert all(callable(getattr(numpy, name, None)) for name in optional)  # built-ins have them
+
+
 # ----------------------------------------------------------- the top commands
 def _top_commands() -> tuple[str, str]:
     """The first two bash blocks: the demo command line and the test command line."""

@@ -348,8 +348,8 @@ def test_reference_names_every_backend_check_in_order() -> None:
 #: The header of docs/reference.md's table of the backend's members.
 _MEMBERS_HEADER = "| member | required | what it does |"
 #: Members a backend may add, looked up by name where they are used (scaler_core/_report.py
-#: finds ``non_finite_leaves`` with getattr): not in the protocol, not in BACKEND_MEMBERS.
-_OPTIONAL_MEMBERS = {"non_finite_leaves"}
+#: finds ``non_finite_counts`` with getattr): not in the protocol, not in BACKEND_MEMBERS.
+_OPTIONAL_MEMBERS = {"non_finite_counts"}
 
 
 def backend_member_rows() -> dict[str, str]:

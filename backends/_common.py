@@ -261,7 +261,8 @@ def bit_counts(xp: Any, a: Any) -> tuple[Any, Any]:
     in pieces that keep the temporaries in cache. NumPy gives ints; CuPy gives 0-d
     device arrays (nothing read back).
 
-    >>> bit_counts(np, np.array([np.nan, np.inf, -np.inf, 1.0], np.float16))
+    >>> nan, inf = bit_counts(np, np.array([np.nan, np.inf, -np.inf, 1.0], np.float16))
+    >>> int(nan), int(inf)
     (1, 2)
     """
     magnitude_mask, exponent = _BITS[np.dtype(a.dtype)]

@@ -77,8 +77,6 @@ from __future__ import annotations
 import dataclasses
 import enum
 import math
-import sys
-import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -101,6 +99,7 @@ from ._errors import (
     SkipLimitError,
 )
 from ._f32 import FLT_MAX, FLT_MIN, INT32_MAX, f32, is_f32_exact, is_normal_f32
+from ._registration import declare, register_loaded
 
 __all__ = [
     "COUNTER_FIELDS",
@@ -117,8 +116,6 @@ __all__ = [
     "host_outcome",
     "host_update",
     "init",
-    "register_flax_serialization",
-    "register_pytree",
     "require_state",
     "start_state",
     "step_skipped",
@@ -272,16 +269,7 @@ class ScalerState:
         # No value checks here (they break under jit/vmap). Only make sure that a
         # state can be handed to JAX whenever JAX is loaded, without this module
         # ever importing JAX itself.
-        if not _PYTREE[0] and "jax" in sys.modules:
-            try:
-                register_pytree()
-            except ImportError:  # a stub or broken "jax" module: nothing to register with
-                _PYTREE[0] = True
-        if not _FLAX[0] and "flax.serialization" in sys.modules:
-            try:
-                register_flax_serialization()
-            except ImportError:  # a broken flax: nothing to register with
-                _FLAX[0] = True
+        register_loaded()
 
     @property
     def on_host(self) -> bool:
@@ -343,6 +331,7 @@ class ScalerState:
 #: config is the one static field.
 #: Every one of them is in exactly one of FLOAT_FIELDS and COUNTER_FIELDS (a test checks).
 DATA_FIELDS = tuple(f.name for f in dataclasses.fields(ScalerState) if not f.metadata["static"])
+declare(ScalerState, optional=SPIKE_FIELDS)  # for JAX's pytrees and flax's checkpoints
 
 
 def _one_value(state: ScalerState, name: str, cast: Callable[[Any], Any]) -> Any:
@@ -398,86 +387,6 @@ def _flat(value: Any) -> list[Any]:
     if isinstance(value, list):
         return [v for item in value for v in _flat(item)]
     return [value]
-
-
-_PYTREE = [False]
-_PYTREE_LOCK = threading.Lock()
-
-
-def register_pytree() -> None:
-    """Register :class:`ScalerState` with ``jax.tree_util`` (idempotent; imports JAX).
-
-    The split comes from the one declaration above: fields whose metadata says
-    ``static`` (the config) become pytree auxiliary data, the others
-    (:data:`DATA_FIELDS`) become leaves. Called by the JAX backend on import and
-    by every state construction once JAX is in ``sys.modules``, so a user never
-    needs to call it; it is public for code that builds states before importing
-    JAX and then hands them to JAX directly.
-    """
-    if _PYTREE[0]:
-        return
-    with _PYTREE_LOCK:
-        if _PYTREE[0]:
-            return
-        import jax.tree_util  # noqa: PLC0415 - JAX is optional; imported only here
-
-        fields = dataclasses.fields(ScalerState)
-        data = [f.name for f in fields if not f.metadata["static"]]
-        meta = [f.name for f in fields if f.metadata["static"]]
-        try:
-            jax.tree_util.register_dataclass(ScalerState, data_fields=data, meta_fields=meta)
-        except ValueError as exc:  # already registered (by hand, or a reloaded module)
-            if "egistration" not in str(exc):
-                raise
-        _PYTREE[0] = True
-
-
-_FLAX = [False]
-
-
-def register_flax_serialization() -> None:
-    """Register :class:`ScalerState` with ``flax.serialization`` (idempotent; imports flax).
-
-    Then ``flax.serialization.to_bytes`` / ``from_bytes`` (and flax checkpoints) save
-    a state's data fields and restore them into a target state, which brings the
-    config (static, as under ``jit``). Called by every state construction once flax
-    is imported, so a user rarely needs to call it.
-    """
-    if _FLAX[0]:
-        return
-    with _PYTREE_LOCK:
-        if _FLAX[0]:
-            return
-        from flax import serialization  # noqa: PLC0415 - flax is optional; imported only here
-
-        def to_state(state: ScalerState) -> dict[str, Any]:
-            return {n: serialization.to_state_dict(getattr(state, n)) for n in DATA_FIELDS}
-
-        def from_state(target: ScalerState, data: dict[str, Any]) -> ScalerState:
-            # A state saved before spike skipping existed lacks its fields: they keep
-            # the target's values (a fresh window).
-            missing = [n for n in DATA_FIELDS if n not in data and n not in SPIKE_FIELDS]
-            if missing:
-                raise InvalidStateError(
-                    f"flax state dict {sorted(data)!r} lacks the ScalerState fields "
-                    f"{missing!r}; restore a state saved from a ScalerState"
-                )
-            values = {
-                n: serialization.from_state_dict(getattr(target, n), data[n], name=n)
-                if n in data
-                else getattr(target, n)
-                for n in DATA_FIELDS
-            }
-            return ScalerState(target.config, **values)
-
-        try:
-            serialization.register_serialization_state(  # type: ignore[no-untyped-call, unused-ignore]
-                ScalerState, to_state, from_state
-            )
-        except ValueError as exc:  # already registered (a reloaded module)
-            if "already registered" not in str(exc):
-                raise
-        _FLAX[0] = True
 
 
 def _convert(

@@ -17,9 +17,9 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
+from scaler_core._coerce import flag_error, host_flag
 from scaler_core._errors import GradientTypeError, GradientValueError, InvalidArgumentError
 from scaler_core._f32 import FLT_MAX, f32, is_normal_f32
-from scaler_core._state import flag_error, host_flag
 
 __all__ = [
     "ACCEPTED",

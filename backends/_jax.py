@@ -35,13 +35,8 @@ from scaler_core._errors import (
     InvalidConfigError,
 )
 from scaler_core._f32 import FLT_MIN, f32, is_f32_exact
-from scaler_core._state import (
-    ScalerState,
-    convert_fields,
-    device_update,
-    register_pytree,
-    require_state,
-)
+from scaler_core._registration import register_pytree
+from scaler_core._state import ScalerState, convert_fields, device_update, require_state
 from scaler_core._tree import first_of_each
 
 from ._common import (

@@ -8,19 +8,10 @@ from collections.abc import Callable
 from typing import Any
 
 from ._backend import Backend, backend_for, resolve_backend
+from ._coerce import device_norm, host_flag, host_norm, norm_missing_error, one_library
 from ._config import ScalerConfig
 from ._errors import InvalidArgumentError, InvalidStateError
-from ._state import (
-    ScalerState,
-    device_norm,
-    host_flag,
-    host_norm,
-    host_update,
-    norm_missing_error,
-    one_library,
-    require_state,
-    step_skipped,
-)
+from ._state import DATA_FIELDS, ScalerState, host_update, require_state, step_skipped
 
 __all__ = ["find_non_finite", "unscale", "unscale_and_clip", "unscale_and_norm", "update"]
 
@@ -105,7 +96,7 @@ def update(state: ScalerState, found_non_finite: Any, grad_norm: Any = None) -> 
         named.append(("found_non_finite", found_non_finite))
     if spiking and norm is None:
         named.append(("grad_norm", device_norm(grad_norm)))
-    named.append(("state", state))
+    named.extend((f"state.{n}", getattr(state, n)) for n in DATA_FIELDS)
     device = one_library(*named)
     if device is None:
         if state.on_host:

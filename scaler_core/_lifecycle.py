@@ -21,6 +21,7 @@ from typing import Any, TypeVar
 from ._api import PolicyStep, policy_name, policy_result, policy_step
 from ._api import update as _update
 from ._backend import Backend, backend_for, get_backend
+from ._coerce import norm_missing_error
 from ._config import ScalerConfig
 from ._errors import InvalidArgumentError, LifecycleError
 from ._report import LeafReport, non_finite_leaves
@@ -29,7 +30,6 @@ from ._state import (
     ScalerState,
     StepKind,
     host_outcome,
-    norm_missing_error,
     start_state,
     step_skipped,
 )

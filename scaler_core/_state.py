@@ -77,15 +77,21 @@ from __future__ import annotations
 import dataclasses
 import enum
 import math
-import sys
-import threading
 from collections.abc import Callable
 from typing import Any
 
+from ._coerce import (
+    array_library,
+    describe,
+    device_norm,
+    host_norm,
+    mixed_error,
+    module_library,
+    norm_missing_error,
+)
 from ._config import ScalerConfig
 from ._errors import (
     GradientTypeError,
-    GradientValueError,
     InvalidArgumentError,
     InvalidStateError,
     ReplicaMismatchError,
@@ -93,36 +99,23 @@ from ._errors import (
     SkipLimitError,
 )
 from ._f32 import FLT_MAX, FLT_MIN, INT32_MAX, f32, is_f32_exact, is_normal_f32
+from ._registration import declare, register_loaded
 
 __all__ = [
     "COUNTER_FIELDS",
     "DATA_FIELDS",
-    "FLAG_MUST",
     "FLOAT_FIELDS",
-    "NORM_MUST",
     "SKIPPED_CODES",
     "SPIKE_FIELDS",
     "Failure",
     "ScalerState",
     "StepKind",
-    "array_library",
     "classify",
     "convert_fields",
-    "describe",
-    "device_norm",
     "device_update",
-    "flag_error",
-    "host_flag",
-    "host_norm",
     "host_outcome",
     "host_update",
     "init",
-    "mixed_error",
-    "module_library",
-    "norm_missing_error",
-    "one_library",
-    "register_flax_serialization",
-    "register_pytree",
     "require_state",
     "start_state",
     "step_skipped",
@@ -276,16 +269,7 @@ class ScalerState:
         # No value checks here (they break under jit/vmap). Only make sure that a
         # state can be handed to JAX whenever JAX is loaded, without this module
         # ever importing JAX itself.
-        if not _PYTREE[0] and "jax" in sys.modules:
-            try:
-                register_pytree()
-            except ImportError:  # a stub or broken "jax" module: nothing to register with
-                _PYTREE[0] = True
-        if not _FLAX[0] and "flax.serialization" in sys.modules:
-            try:
-                register_flax_serialization()
-            except ImportError:  # a broken flax: nothing to register with
-                _FLAX[0] = True
+        register_loaded()
 
     @property
     def on_host(self) -> bool:
@@ -347,6 +331,7 @@ class ScalerState:
 #: config is the one static field.
 #: Every one of them is in exactly one of FLOAT_FIELDS and COUNTER_FIELDS (a test checks).
 DATA_FIELDS = tuple(f.name for f in dataclasses.fields(ScalerState) if not f.metadata["static"])
+declare(ScalerState, optional=SPIKE_FIELDS)  # for JAX's pytrees and flax's checkpoints
 
 
 def _one_value(state: ScalerState, name: str, cast: Callable[[Any], Any]) -> Any:
@@ -402,86 +387,6 @@ def _flat(value: Any) -> list[Any]:
     if isinstance(value, list):
         return [v for item in value for v in _flat(item)]
     return [value]
-
-
-_PYTREE = [False]
-_PYTREE_LOCK = threading.Lock()
-
-
-def register_pytree() -> None:
-    """Register :class:`ScalerState` with ``jax.tree_util`` (idempotent; imports JAX).
-
-    The split comes from the one declaration above: fields whose metadata says
-    ``static`` (the config) become pytree auxiliary data, the others
-    (:data:`DATA_FIELDS`) become leaves. Called by the JAX backend on import and
-    by every state construction once JAX is in ``sys.modules``, so a user never
-    needs to call it; it is public for code that builds states before importing
-    JAX and then hands them to JAX directly.
-    """
-    if _PYTREE[0]:
-        return
-    with _PYTREE_LOCK:
-        if _PYTREE[0]:
-            return
-        import jax.tree_util  # noqa: PLC0415 - JAX is optional; imported only here
-
-        fields = dataclasses.fields(ScalerState)
-        data = [f.name for f in fields if not f.metadata["static"]]
-        meta = [f.name for f in fields if f.metadata["static"]]
-        try:
-            jax.tree_util.register_dataclass(ScalerState, data_fields=data, meta_fields=meta)
-        except ValueError as exc:  # already registered (by hand, or a reloaded module)
-            if "egistration" not in str(exc):
-                raise
-        _PYTREE[0] = True
-
-
-_FLAX = [False]
-
-
-def register_flax_serialization() -> None:
-    """Register :class:`ScalerState` with ``flax.serialization`` (idempotent; imports flax).
-
-    Then ``flax.serialization.to_bytes`` / ``from_bytes`` (and flax checkpoints) save
-    a state's data fields and restore them into a target state, which brings the
-    config (static, as under ``jit``). Called by every state construction once flax
-    is imported, so a user rarely needs to call it.
-    """
-    if _FLAX[0]:
-        return
-    with _PYTREE_LOCK:
-        if _FLAX[0]:
-            return
-        from flax import serialization  # noqa: PLC0415 - flax is optional; imported only here
-
-        def to_state(state: ScalerState) -> dict[str, Any]:
-            return {n: serialization.to_state_dict(getattr(state, n)) for n in DATA_FIELDS}
-
-        def from_state(target: ScalerState, data: dict[str, Any]) -> ScalerState:
-            # A state saved before spike skipping existed lacks its fields: they keep
-            # the target's values (a fresh window).
-            missing = [n for n in DATA_FIELDS if n not in data and n not in SPIKE_FIELDS]
-            if missing:
-                raise InvalidStateError(
-                    f"flax state dict {sorted(data)!r} lacks the ScalerState fields "
-                    f"{missing!r}; restore a state saved from a ScalerState"
-                )
-            values = {
-                n: serialization.from_state_dict(getattr(target, n), data[n], name=n)
-                if n in data
-                else getattr(target, n)
-                for n in DATA_FIELDS
-            }
-            return ScalerState(target.config, **values)
-
-        try:
-            serialization.register_serialization_state(  # type: ignore[no-untyped-call, unused-ignore]
-                ScalerState, to_state, from_state
-            )
-        except ValueError as exc:  # already registered (a reloaded module)
-            if "already registered" not in str(exc):
-                raise
-        _FLAX[0] = True
 
 
 def _convert(
@@ -559,146 +464,6 @@ def _sat_inc(n: int) -> int:
 
 
 # --------------------------------------------------------------- spike skipping
-#: What every grad_norm check says a norm must be.
-NORM_MUST = (
-    "it must be a real number or a 0-d float array; pass the norm returned by "
-    "scaler_core.unscale_and_norm() or unscale_and_clip()"
-)
-
-
-def norm_missing_error(cfg: ScalerConfig) -> InvalidArgumentError:
-    """The one error for a missing ``grad_norm`` under spike skipping."""
-    return InvalidArgumentError(
-        f"grad_norm=None, but spike_threshold={cfg.spike_threshold!r} needs this step's "
-        f"global gradient norm; pass the norm returned by scaler_core.unscale_and_norm() or "
-        f"unscale_and_clip() as update(state, found, grad_norm=norm)"
-    )
-
-
-def host_norm(value: object, what: str = "grad_norm") -> float | None:
-    """``value`` as a Python float when it is a host norm, else ``None`` (a device array).
-
-    Host norms: ``int`` and ``float`` (not ``bool``), NumPy floating scalars and
-    0-d NumPy float arrays, ml_dtypes scalars (bfloat16), checked by type name so
-    NumPy is never imported here. A norm is ``>= 0``, NaN or ``+inf``.
-
-    Raises:
-        GradientTypeError: ``value`` is a bool, a string, a container, a complex
-            number, ``None``, or a NumPy value that is not a 0-d float.
-        GradientValueError: ``value`` is a negative host number (``-inf`` too).
-    """
-    if isinstance(value, (int, float)) and not isinstance(value, bool):
-        out = float(value)
-    elif type(value).__module__ in _NUMPY_MODULES:
-        dtype = str(getattr(value, "dtype", ""))
-        if not dtype.startswith(("float", "bfloat")) or getattr(value, "shape", None) != ():
-            raise GradientTypeError(f"{what}={value!r}, but {NORM_MUST}")
-        out = float(value)  # type: ignore[arg-type]
-    elif isinstance(value, (bool, complex, str, bytes, list, tuple, dict, set)) or value is None:
-        raise GradientTypeError(f"{what}={value!r}, but {NORM_MUST}")
-    else:
-        return None
-    if out < 0:
-        raise GradientValueError(
-            f"{what}={value!r}, but a norm is >= 0 (NaN or inf on a step whose gradients "
-            f"are not finite); pass the norm returned by scaler_core.unscale_and_norm() or "
-            f"unscale_and_clip(), or math.sqrt of a sum of squares"
-        )
-    return out
-
-
-def device_norm(value: object, what: str = "grad_norm") -> Any:
-    """``value`` itself when it is a device norm: a 0-d float array of an array library.
-
-    Raises:
-        GradientTypeError: It is not (see :func:`host_norm` for host values).
-    """
-    shape, dtype = getattr(value, "shape", None), getattr(value, "dtype", None)
-    name = str(dtype).removeprefix("torch.")
-    if shape is None or tuple(shape) != () or not name.startswith(("float", "bfloat")):
-        raise GradientTypeError(f"{what}={describe(value)}, but {NORM_MUST}")
-    return value
-
-
-#: Modules of NumPy's host values (ml_dtypes holds NumPy's bfloat16 scalars).
-_NUMPY_MODULES = frozenset({"numpy", "ml_dtypes"})
-#: Modules whose values are host values: they go with every array library.
-_HOST_MODULES = _NUMPY_MODULES | {"builtins"}
-#: JAX's concrete arrays live in ``jaxlib``, its tracers in ``jax``: one library.
-_SAME_LIBRARY = {"jaxlib": "jax"}
-
-
-def module_library(value: object) -> str:
-    """The library ``value``'s type comes from (its top-level module; ``jaxlib`` is ``jax``)."""
-    top = type(value).__module__.partition(".")[0]
-    return _SAME_LIBRARY.get(top, top)
-
-
-def array_library(value: object) -> str | None:
-    """The array library of a device value; ``None`` for a host value (a Python
-    number or bool, a NumPy or ml_dtypes value), which goes with every library."""
-    library = module_library(value)
-    return None if library in _HOST_MODULES else library
-
-
-def describe(value: object) -> str:
-    """``value`` for a message: its repr on the host; type, shape and dtype for a
-    device array (whose repr would copy it to the host)."""
-    if array_library(value) is None:
-        return repr(value)
-    shape = getattr(value, "shape", None)
-    shape = tuple(shape) if shape is not None else None
-    return f"<{type(value).__name__} shape={shape} dtype={getattr(value, 'dtype', None)}>"
-
-
-def one_library(*named: tuple[str, object]) -> tuple[str, str, object] | None:
-    """The first device value among ``(name, value)`` pairs, once every device value
-    is known to come from its library: ``(library, name, value)``.
-
-    Host values go with any library; a :class:`ScalerState` stands for its fields
-    (named ``state.scale`` and so on). ``None`` when every value is a host value.
-
-    Raises:
-        GradientTypeError: Two values come from two libraries (the message names
-            both, their libraries and what to do).
-    """
-    first: tuple[str, str, object] | None = None
-    for name, value in named:
-        fields = (
-            [(f"state.{n}", getattr(value, n)) for n in DATA_FIELDS]
-            if isinstance(value, ScalerState)
-            else [(name, value)]
-        )
-        for label, item in fields:
-            library = array_library(item)
-            if library is None:
-                continue
-            if first is None:
-                first = (library, label, item)
-            elif library != first[0]:
-                raise mixed_error(first, (library, label, item))
-    return first
-
-
-def mixed_error(
-    first: tuple[str, str, object], second: tuple[str, str, object]
-) -> GradientTypeError:
-    """The one error for a step whose values come from two array libraries."""
-    (lib_a, name_a, a), (lib_b, name_b, b) = first, second
-    states = [n for n in (name_a, name_b) if n.startswith("state.")]
-    fix = (
-        "keep the state where the step's gradients are, or bring it to the host with "
-        "state.to_host() (a host state goes with any library)"
-        if states
-        else "pass the flag and the norm that unscale_and_norm() returned for this step"
-    )
-    return GradientTypeError(
-        f"{name_a}={describe(a)} is a {lib_a} array but {name_b}={describe(b)} is a {lib_b} "
-        f"array; one step takes the values of one library (a Python or NumPy value goes "
-        f"with any): {fix}"
-    )
-
-
 def _ftz(value: float) -> float:
     """``f32(value)``, and 0.0 for a subnormal (XLA flushes them; so does every path)."""
     out = f32(value)
@@ -1230,41 +995,3 @@ def _failure_error(failure: Failure, state: ScalerState, *, recorded: bool) -> S
         f"non-finite); {where}. Gradients are non-finite at every scale: look for NaN "
         f"sources, or set min_scale to hold a floor."
     )
-
-
-#: What every flag check says a flag must be.
-FLAG_MUST = (
-    "it must be a bool or a 0-d boolean array; pass the flag returned by unscale() or "
-    "find_non_finite()"
-)
-
-
-def flag_error(what: str, shown: str) -> GradientTypeError:
-    """The one error for a value that is not a found flag (``shown`` is its description)."""
-    return GradientTypeError(f"{what}={shown}, but {FLAG_MUST}")
-
-
-def host_flag(found: object, what: str = "found_non_finite") -> bool | None:
-    """``found`` as a Python bool when it is a host flag, else ``None``.
-
-    Host flags: ``bool``, NumPy's ``bool_`` and 0-d NumPy boolean arrays (checked
-    by type name, so NumPy is never imported here). ``None`` means "not a host
-    value": a device array, for its backend to check.
-
-    Raises:
-        GradientTypeError: ``found`` is an int, a float, another non-bool, or a
-            NumPy value that is not a 0-d boolean.
-    """
-    if isinstance(found, bool):
-        return found
-    typ = type(found)
-    if typ.__module__ == "numpy":
-        if str(getattr(found, "dtype", "")) == "bool" and getattr(found, "shape", None) == ():
-            return bool(found)
-        raise flag_error(what, repr(found))
-    if (
-        isinstance(found, (int, float, complex, str, bytes, list, tuple, dict, set))
-        or found is None
-    ):
-        raise flag_error(what, repr(found))  # a container of flags is not a flag either
-    return None

@@ -37,7 +37,7 @@ import jax
 import jax.numpy as jnp
 
 from ._errors import InvalidArgumentError
-from ._state import register_flax_serialization, register_pytree
+from ._registration import register_flax_serialization, register_pytree
 from .backends._jax import BACKEND, to_device
 
 __all__ = [

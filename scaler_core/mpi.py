@@ -60,9 +60,10 @@ from typing import Any
 import numpy as np
 
 from ._backend import backend_for
+from ._coerce import host_flag
 from ._config import ScalerConfig
 from ._errors import InvalidArgumentError, ReplicaMismatchError, ReplicaTimeoutError
-from ._state import DATA_FIELDS, FLOAT_FIELDS, ScalerState, host_flag
+from ._state import DATA_FIELDS, FLOAT_FIELDS, ScalerState
 from ._tree import leaves_with_paths
 
 #: Polls of a bounded wait before it starts sleeping between polls.

@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import dataclasses
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -38,6 +42,73 @@ def test_pytree_split_comes_from_the_declaration() -> None:
     assert all(isinstance(x, jax.Array) for x in flat)
     assert state.scale.dtype == jnp.float32
     assert state.steps.dtype == jnp.int32
+
+
+def _run(code: str, cwd: Path) -> str:
+    out = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        capture_output=True,
+        text=True,
+        cwd=str(cwd),
+        check=False,
+    )
+    assert out.returncode == 0, out.stderr
+    return out.stdout.strip()
+
+
+def test_a_state_built_once_jax_is_loaded_registers_the_class_without_the_backend(
+    tmp_path: Path,
+) -> None:
+    """Registration follows the user's imports: nothing before ``import jax``, the class
+    (every state, the earlier ones too) at the first construction after it."""
+    out = _run(
+        """
+        import sys
+        import scaler_core as sc
+        before = sc.init()
+        assert "jax" not in sys.modules
+        import jax
+        assert len(jax.tree_util.tree_leaves(before)) == 1  # not registered yet: one leaf
+        after = sc.init()
+        assert "scaler_core.backends._jax" not in sys.modules
+        print(len(jax.tree_util.tree_leaves(before)), len(jax.tree_util.tree_leaves(after)))
+        """,
+        tmp_path,
+    )
+    assert out == f"{len(DATA_FIELDS)} {len(DATA_FIELDS)}"
+
+
+def test_a_stub_jax_module_is_left_alone(tmp_path: Path) -> None:
+    out = _run(
+        """
+        import sys, types
+        sys.modules["jax"] = types.ModuleType("jax")  # no tree_util: nothing to register with
+        import scaler_core as sc
+        print(sc.update(sc.init(), True).scale)
+        """,
+        tmp_path,
+    )
+    assert out == "32768.0"
+
+
+def test_flax_restores_a_state_into_its_target_and_fills_the_spike_fields_of_an_old_one() -> None:
+    serialization = pytest.importorskip("flax.serialization", reason="flax is optional")
+    config = sc.ScalerConfig(min_scale=1.0, spike_threshold=3.0, spike_window=4)
+    state = to_device(sc.update(sc.update(sc.init(config), True, 1.0), False, grad_norm=2.0))
+    target = to_device(sc.init(config))
+    restored = serialization.from_bytes(target, serialization.to_bytes(state))
+    assert restored.config == config
+    assert restored.to_host() == state.to_host()
+    old = serialization.to_state_dict(state)
+    for name in ("norm_mean", "norm_var", "norm_count", "last_kind"):  # before spike skipping
+        del old[name]
+    restored = serialization.from_state_dict(target, old)
+    assert restored.to_host() == dataclasses.replace(
+        state.to_host(), norm_mean=0.0, norm_var=0.0, norm_count=0, last_kind=0
+    )
+    del old["scale"]
+    with pytest.raises(sc.InvalidStateError, match=r"lacks the ScalerState fields \['scale'\]"):
+        serialization.from_state_dict(target, old)
 
 
 @given(config=configs(), steps=st.integers(0, 50), skipped=st.integers(0, 50))

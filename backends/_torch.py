@@ -54,7 +54,7 @@ from scaler_core._f32 import FLT_MIN
 from scaler_core._state import ScalerState, device_update, require_state
 from scaler_core._tree import leaves_with_paths, map_pairs
 
-from . import _numpy, _torch_host
+from . import _numpy, _plans, _torch_host
 from ._common import (
     CLIP_EPS,
     LeafKind,
@@ -481,7 +481,7 @@ def _numpy_view(t: torch.Tensor) -> np.ndarray:
     return t.numpy()
 
 
-def _numpy_plan(tensors: Sequence[torch.Tensor]) -> _numpy.Plan:
+def _numpy_plan(tensors: Sequence[torch.Tensor]) -> _plans.Plan:
     """A plan for the numba kernels over distinct dense CPU tensors: contiguous float32
     and float64 ones by address (``data_ptr``: a fraction of a microsecond, where a
     NumPy view and its address cost several), the rest through NumPy views (a
@@ -497,12 +497,12 @@ def _numpy_plan(tensors: Sequence[torch.Tensor]) -> _numpy.Plan:
         _NUMPY_DTYPES[dtype]: ([t.data_ptr() for t in ts], [t.numel() for t in ts])
         for dtype, ts in by_dtype.items()
     }
-    return _numpy.plan_blocks(arrays, blocks, list(tensors))
+    return _plans.plan_blocks(arrays, blocks, list(tensors))
 
 
 #: What the CPU route hands on: NumPy views (the NumPy backend validates and plans
 #: them), a plan for the numba kernels, or one for PyTorch's (:mod:`._torch_host`).
-_Prepared = list[np.ndarray] | _numpy.Plan | _torch_host.Plan
+_Prepared = list[np.ndarray] | _plans.Plan | _torch_host.Plan
 
 
 def _host_route(
@@ -673,7 +673,7 @@ class TorchBackend:
         route = _route(leaves, scale)
         if route is not None:
             prepared, host = route
-            if isinstance(prepared, _numpy.Plan):
+            if isinstance(prepared, _plans.Plan):
                 found, norm = _numpy.BACKEND.norm_planned(prepared, inv_scale_of(host))
             else:  # NumPy views (a plan for PyTorch's kernels is made for clipping only)
                 _, found, norm = _numpy.BACKEND.unscale_norm(prepared, host)

@@ -24,6 +24,7 @@ from hypothesis import strategies as st
 
 from scaler_core import GradientTypeError, GradientValueError, InvalidArgumentError, get_backend
 from scaler_core.backends import _numpy as fused
+from scaler_core.backends import _plans as plans
 from scaler_core.backends._numpy_reference import NumpyReferenceBackend
 from scaler_core.testing import scales
 
@@ -44,11 +45,9 @@ needs_numba = pytest.mark.skipif(
 #: (id, use_numba, chunk bytes, parallel threshold): small chunks and a zero
 #: threshold push tiny arrays through the work-item splitting and the threads.
 MODES = [
-    pytest.param(
-        True, fused._CHUNK_BYTES, fused._PARALLEL_MIN_BYTES, id="numba", marks=needs_numba
-    ),
+    pytest.param(True, plans.CHUNK_BYTES, fused._PARALLEL_MIN_BYTES, id="numba", marks=needs_numba),
     pytest.param(True, 64, 0, id="numba-parallel-small-chunks", marks=needs_numba),
-    pytest.param(False, fused._CHUNK_BYTES, fused._PARALLEL_MIN_BYTES, id="numpy"),
+    pytest.param(False, plans.CHUNK_BYTES, fused._PARALLEL_MIN_BYTES, id="numpy"),
     pytest.param(False, 64, 0, id="numpy-small-chunks"),
 ]
 
@@ -56,18 +55,17 @@ MODES = [
 @contextlib.contextmanager
 def tuned(chunk: int, parallel: int) -> Iterator[None]:
     """Module constants set for one mode; small chunks also get detection batches
-    of four work items, so parallel detection runs batch after batch."""
-    saved = fused._CHUNK_BYTES, fused._PARALLEL_MIN_BYTES, fused._DETECT_BATCH_BYTES
-    batch = fused._DETECT_BATCH_BYTES if chunk == fused._CHUNK_BYTES else 4 * chunk
-    fused._CHUNK_BYTES, fused._PARALLEL_MIN_BYTES, fused._DETECT_BATCH_BYTES = (
-        chunk,
-        parallel,
-        batch,
-    )
+    of four work items, so parallel detection runs batch after batch. The chunk size
+    is set where the plans split their work items and where the backend imported it."""
+    saved = plans.CHUNK_BYTES, fused._PARALLEL_MIN_BYTES, fused._DETECT_BATCH_BYTES
+    batch = fused._DETECT_BATCH_BYTES if chunk == plans.CHUNK_BYTES else 4 * chunk
+    plans.CHUNK_BYTES = fused.CHUNK_BYTES = chunk
+    fused._PARALLEL_MIN_BYTES, fused._DETECT_BATCH_BYTES = parallel, batch
     try:
         yield
     finally:
-        fused._CHUNK_BYTES, fused._PARALLEL_MIN_BYTES, fused._DETECT_BATCH_BYTES = saved
+        plans.CHUNK_BYTES = fused.CHUNK_BYTES = saved[0]
+        fused._PARALLEL_MIN_BYTES, fused._DETECT_BATCH_BYTES = saved[1:]
 
 
 def finfo_of(dtype: Any) -> Any:
@@ -143,7 +141,7 @@ def gradient_sets(draw: st.DrawFn) -> list[np.ndarray]:
         rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
         fillers = [
             (rng.standard_normal(int(rng.integers(0, 6))) * 100).astype(rng.choice(DTYPES))
-            for _ in range(fused._TABLE_MIN_LEAVES)
+            for _ in range(plans._TABLE_MIN_LEAVES)
         ]
         at = draw(st.integers(0, len(grads)))
         grads[at:at] = fillers
@@ -257,7 +255,7 @@ def test_parallel_detection_stops_after_the_batch_with_the_hit(
     grads[where][7] = np.inf
     backend = fused.NumpyBackend(use_numba=True)
     kernels = backend._resolve()
-    name = "detect_bits_parallel" if np.dtype(dtype) in fused._EXPONENT else "detect_parallel"
+    name = "detect_bits_parallel" if np.dtype(dtype) in plans.EXPONENT else "detect_parallel"
     calls: list[int] = []
     real = getattr(kernels, name)
 
@@ -322,12 +320,12 @@ def _cached_plan_follows_new_values_and_replaced_arrays(use_numba: bool) -> None
     assert not found
     assert (grads[10] == 8.0).all()
     if not use_numba:  # the pure-NumPy path validates every call and caches nothing
-        assert not backend._plans
+        assert not backend._cache.plans
         return
-    (plan,) = backend._plans.values()  # same first and last arrays: one slot, replaced
+    (plan,) = backend._cache.plans.values()  # same first and last arrays: one slot, replaced
     assert plan.children[10] is grads[10]
     backend.clear_cache()
-    assert not backend._plans
+    assert not backend._cache.plans
 
 
 @pytest.fixture
@@ -353,10 +351,10 @@ def test_a_set_seen_before_is_recognised_without_a_check_per_array(
     arrays = [np.full(8, 4.0, np.float32) for _ in range(40)]
     first = kind(arrays)
     backend.unscale(first, 2.0)
-    (plan,) = backend._plans.values()
+    (plan,) = backend._cache.plans.values()
     backend.unscale(first, 2.0)  # the same container
     backend.unscale(kind(arrays), 0.5)  # a new container of the same arrays
-    assert backend._plans[next(iter(backend._plans))] is plan
+    assert backend._cache.plans[next(iter(backend._cache.plans))] is plan
     assert is_calls == []  # recognised by one container comparison, not 40 checks
     assert all((a == 2.0).all() for a in arrays)  # 4 / 2 / 2 * 2
 
@@ -405,7 +403,7 @@ def test_an_object_claiming_equality_in_a_cached_set_still_raises(use_numba: boo
 def test_before_numpy_2_2_every_array_is_checked(
     is_calls: list[int], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(fused, "_EQ_RAISES", False)  # comparisons might only warn
+    monkeypatch.setattr(plans, "_EQ_RAISES", False)  # comparisons might only warn
     backend = fused.NumpyBackend(use_numba=True)
     arrays = [np.full(8, 4.0, np.float32) for _ in range(40)]
     backend.unscale(arrays, 2.0)
@@ -572,10 +570,10 @@ def test_an_array_reshaped_in_place_in_a_cached_set(use_numba: bool) -> None:
 
 @needs_numba
 def test_without_a_trusted_header_layout_no_plan_is_cached(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(fused, "_watch_works", lambda kernels: False)
+    monkeypatch.setattr(plans, "_watch_works", lambda kernels: False)
     backend = fused.NumpyBackend(use_numba=True)
     grads = _cached_set(backend)
-    assert not backend._plans  # every call validates and plans again
+    assert not backend._cache.plans  # every call validates and plans again
     grads[9].dtype = np.int32
     with pytest.raises(GradientTypeError, match=r"grads\[9\] has dtype int32"):
         backend.unscale(grads, 2.0)
@@ -587,7 +585,7 @@ def test_the_header_layout_is_trusted_here() -> None:
     cache is off, which the benchmarks would show as a slower 2000 x 1024 set)."""
     backend = fused.NumpyBackend(use_numba=True)
     _cached_set(backend)
-    assert backend._plans
+    assert backend._cache.plans
 
 
 _CONCURRENT = """
@@ -960,7 +958,7 @@ def test_torch_cpu_route_with_numba_leaves_overlapping_tensors_to_the_reference(
     monkeypatch.setattr(_numpy, "BACKEND", fused.NumpyBackend(use_numba=True))
     base = torch.arange(1.0, 41.0) * 64
     tensors = [base[:30], base[20:]]
-    assert _numpy.plan_blocks(
+    assert plans.plan_blocks(
         [], {np.dtype(np.float32): ([t.data_ptr() for t in tensors], [30, 20])}, tensors
     ).aliased
     copy = base.numpy().copy()
@@ -974,4 +972,4 @@ def test_a_plan_takes_no_half_type_by_address() -> None:
     """Half types are clipped through NumPy's casts from views: a block of one by
     address would be skipped by the kernels, so the plan refuses it."""
     with pytest.raises(InvalidArgumentError, match="half types"):
-        fused.plan_blocks([], {np.dtype(np.float16): ([4096], [8])}, [])
+        plans.plan_blocks([], {np.dtype(np.float16): ([4096], [8])}, [])

@@ -14,7 +14,6 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-import ml_dtypes
 import numpy as np
 
 from scaler_core._coerce import flag_error, host_flag
@@ -34,19 +33,61 @@ __all__ = [
     "flag_error",
     "host_flag",
     "inv_scale_of",
+    "is_bfloat16",
     "max_norm_of",
     "norm_of_sums",
 ]
 
+
+def is_bfloat16(dtype: np.dtype[Any]) -> bool:
+    """Whether ``dtype`` is ml_dtypes' bfloat16, NumPy's bfloat16.
+
+    ml_dtypes is imported only for a dtype of that name: its import takes over a
+    second, and an array of its bfloat16 exists only once something imported it.
+
+    >>> is_bfloat16(np.dtype(np.float16))
+    False
+    """
+    if dtype.name != "bfloat16":
+        return False
+    import ml_dtypes  # noqa: PLC0415 - already imported: its dtype is in use
+
+    return bool(dtype == np.dtype(ml_dtypes.bfloat16))
+
+
+class _Dtypes:
+    """A set of dtypes for ``in``: NumPy's own ones listed, bfloat16 recognised by
+    :func:`is_bfloat16` (without importing ml_dtypes unless it is in use). Each
+    dtype's answer is kept, so a test costs a dict lookup, as a set's would."""
+
+    __slots__ = ("_bfloat16", "_known", "_native")
+
+    def __init__(self, native: tuple[np.dtype[Any], ...], *, bfloat16: bool) -> None:
+        self._native = native
+        self._bfloat16 = bfloat16
+        self._known: dict[np.dtype[Any], bool] = dict.fromkeys(native, True)
+
+    def __contains__(self, dtype: object) -> bool:
+        if not isinstance(dtype, np.dtype):
+            return False
+        known = self._known.get(dtype)
+        if known is None:
+            known = self._known[dtype] = dtype in self._native or (
+                self._bfloat16 and is_bfloat16(dtype)
+            )
+        return known
+
+    def __repr__(self) -> str:
+        names = [d.name for d in self._native] + ["bfloat16"] * self._bfloat16
+        return f"<dtypes {', '.join(sorted(names))}>"
+
+
 #: The gradient dtypes every backend accepts.
-FLOAT_DTYPES: tuple[np.dtype[Any], ...] = (
-    np.dtype(np.float16),
-    np.dtype(ml_dtypes.bfloat16),
-    np.dtype(np.float32),
-    np.dtype(np.float64),
+FLOAT_DTYPES = _Dtypes(
+    (np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.float64)), bfloat16=True
 )
 #: Computed in float32 and written back rounded to their own dtype.
-HALF_DTYPES: tuple[np.dtype[Any], ...] = FLOAT_DTYPES[:2]
+HALF_DTYPES = _Dtypes((np.dtype(np.float16),), bfloat16=True)
 ACCEPTED = "float16, bfloat16, float32 or float64"
 
 
@@ -218,11 +259,12 @@ def norm_of_sums(sums: Any) -> np.float32:
 
 _UINT = {2: np.dtype(np.uint16), 4: np.dtype(np.uint32), 8: np.dtype(np.uint64)}
 #: Per dtype: the bits without the sign, and the all-ones exponent. Above it: NaN; equal: inf.
-_BITS: dict[np.dtype[Any], tuple[np.unsignedinteger[Any], np.unsignedinteger[Any]]] = {
-    np.dtype(np.float16): (np.uint16(0x7FFF), np.uint16(0x7C00)),
-    np.dtype(ml_dtypes.bfloat16): (np.uint16(0x7FFF), np.uint16(0x7F80)),
-    np.dtype(np.float32): (np.uint32(0x7FFF_FFFF), np.uint32(0x7F80_0000)),
-    np.dtype(np.float64): (np.uint64(0x7FFF_FFFF_FFFF_FFFF), np.uint64(0x7FF0_0000_0000_0000)),
+#: By the dtype's name (the leaves are validated: only the accepted dtypes get here).
+_BITS: dict[str, tuple[np.unsignedinteger[Any], np.unsignedinteger[Any]]] = {
+    "float16": (np.uint16(0x7FFF), np.uint16(0x7C00)),
+    "bfloat16": (np.uint16(0x7FFF), np.uint16(0x7F80)),
+    "float32": (np.uint32(0x7FFF_FFFF), np.uint32(0x7F80_0000)),
+    "float64": (np.uint64(0x7FFF_FFFF_FFFF_FFFF), np.uint64(0x7FF0_0000_0000_0000)),
 }
 #: Elements per piece: 0.5 to 2 MiB of input, so a piece and its temporaries stay in
 #: cache (NumPy) and the temporaries stay small next to the gradients (CuPy).
@@ -265,7 +307,7 @@ def bit_counts(xp: Any, a: Any) -> tuple[Any, Any]:
     >>> int(nan), int(inf)
     (1, 2)
     """
-    magnitude_mask, exponent = _BITS[np.dtype(a.dtype)]
+    magnitude_mask, exponent = _BITS[np.dtype(a.dtype).name]
     bits = a.view(_UINT[a.dtype.itemsize])  # same itemsize: a view, whatever the strides
     nan: Any = 0
     inf: Any = 0

@@ -37,6 +37,7 @@ from collections.abc import Callable
 from typing import Any
 
 import cupy
+import ml_dtypes
 import numpy as np
 
 from scaler_core._errors import (
@@ -50,7 +51,6 @@ from scaler_core._state import ScalerState, convert_fields, device_update
 from scaler_core._tree import first_of_each, leaves_with_paths, map_pairs
 
 from ._common import (
-    FLOAT_DTYPES,
     LeafKind,
     bit_counts,
     check_select_pair,
@@ -77,8 +77,7 @@ __all__ = [
 CHUNK_BYTES = 64 * 1024
 _BLOCK = 512  # SC_BLOCK in the kernel source
 _BLOCKS_PER_SM = 4  # 2048 resident threads per SM / 512
-_SUFFIX = {dt: dt.name for dt in FLOAT_DTYPES}
-_BF16 = FLOAT_DTYPES[1]
+_BF16 = np.dtype(ml_dtypes.bfloat16)
 _UINT = {2: np.dtype(np.uint16), 4: np.dtype(np.uint32), 8: np.dtype(np.uint64)}
 _NDARRAY = cupy.ndarray
 _TABLE_CACHE_SIZE = 64
@@ -232,7 +231,7 @@ def _group(device: int, dtype: np.dtype[Any], entries: list[tuple[int, int]]) ->
             while len(_TABLES) > _TABLE_CACHE_SIZE:
                 _TABLES.popitem(last=False)
     n_chunks = table.size // 2
-    return _Group(_SUFFIX[dtype], table, n_chunks, min(n_chunks, _KERNELS.max_grid(device)))
+    return _Group(dtype.name, table, n_chunks, min(n_chunks, _KERNELS.max_grid(device)))
 
 
 def _validated(grads: Any) -> tuple[list[Any], list[str]]:

@@ -16,15 +16,14 @@ import operator
 import threading
 from collections import OrderedDict
 from collections.abc import Mapping
-from types import ModuleType
-from typing import Any, NamedTuple
+from types import MappingProxyType, ModuleType
+from typing import Any, ClassVar, NamedTuple
 
-import ml_dtypes
 import numpy as np
 
 from scaler_core._errors import InvalidArgumentError
 
-from ._common import NORM_CHUNK
+from ._common import HALF_DTYPES, NORM_CHUNK
 
 __all__ = [
     "CHUNK_BYTES",
@@ -39,14 +38,35 @@ __all__ = [
     "plan_blocks",
 ]
 
-_F16 = np.dtype(np.float16)
-_BF16 = np.dtype(ml_dtypes.bfloat16)
 _F32 = np.dtype(np.float32)
 _F64 = np.dtype(np.float64)
 #: The dtypes a plan takes as raw blocks (the numba kernels read them in place).
 _WIDE = (_F32, _F64)
+
+
+class _HalfExponents:
+    """The all-ones exponent of each half type (the element is NaN or +-inf), by
+    dtype, as a dict would give it; ``in`` tells the half types (bfloat16 through
+    :data:`HALF_DTYPES`, without importing ml_dtypes unless it is in use)."""
+
+    __slots__ = ()
+
+    _BY_NAME: ClassVar[Mapping[str, np.uint16]] = MappingProxyType(
+        {"float16": np.uint16(0x7C00), "bfloat16": np.uint16(0x7F80)}
+    )
+
+    def __contains__(self, dtype: object) -> bool:
+        return dtype in HALF_DTYPES
+
+    def __getitem__(self, dtype: np.dtype[Any]) -> np.uint16:
+        return self._BY_NAME[dtype.name]  # the leaves are validated: a name is its dtype
+
+    def get(self, dtype: np.dtype[Any], default: int) -> np.uint16 | int:
+        return self[dtype] if dtype in HALF_DTYPES else default
+
+
 #: All-ones exponent of each half type: the element is NaN or +-inf.
-EXPONENT = {_F16: np.uint16(0x7C00), _BF16: np.uint16(0x7F80)}
+EXPONENT = _HalfExponents()
 #: Work-item and chunk size: small enough to stay in a core's L2 cache.
 CHUNK_BYTES = 1 << 20
 #: Sets of at least this many arrays (in a flat list, tuple or dict, at most
@@ -248,7 +268,7 @@ def _watch_works(kernels: ModuleType) -> bool:
             base[:, ::2],
             np.zeros((), np.float64),
             np.zeros((0, 3), np.float16),
-            np.ones(5, ml_dtypes.bfloat16),
+            np.ones(5, np.uint16),
         ]
         watch = _Watch(samples)
         if watch.changed(kernels):

@@ -535,7 +535,7 @@ class _Launches:
         grid = 2 + len(self.grids)  # a different grid per group: the slots must follow it
         self.grids[dtype.name] = grid
         table = self.fake((2 * len(entries),), np.uint64)
-        return _cupy._Group(_cupy._SUFFIX[dtype], table, 10 * len(entries), grid)
+        return _cupy._Group(dtype.name, table, 10 * len(entries), grid)
 
     def strided_copies(self, leaves: list[Any], plan: Any) -> list[tuple[Any, Any]]:
         return [(leaves[i], self.fake(leaves[i].shape, np.uint64)) for i in plan.strided]

@@ -187,3 +187,40 @@ def test_a_signalling_nan_is_found_without_a_warning_on_every_path(scale: float)
             assert bool(backend.find_non_finite(grads))  # again: the cached plan
             _, found = backend.unscale(grads, scale)
             assert bool(found)
+
+
+@pytest.mark.parametrize("numba", [True, False], ids=["numba", "pure"])
+def test_float_gradients_never_import_ml_dtypes(numba: bool, run_python: Any) -> None:
+    """ml_dtypes (NumPy's bfloat16) takes over a second to import: every NumPy
+    operation on float16/32/64 gradients runs without it, bfloat16 ones still work
+    once it is imported (an array of its bfloat16 exists only then), and a bad dtype
+    is still refused by name."""
+    if numba and importlib.util.find_spec("numba") is None:
+        pytest.skip("numba is not installed")
+    code = f"""
+import sys
+import numpy as np
+import scaler_core as sc
+from scaler_core.backends import _numpy
+_numpy.BACKEND = _numpy.NumpyBackend(use_numba={numba})
+many = [np.full(8, 4.0, np.float32) for _ in range(40)]  # a cached plan's table
+for grads in ([np.full(3, 4.0, d) for d in (np.float16, np.float32, np.float64)], many):
+    sc.unscale(grads, 2.0)
+    sc.unscale_and_norm(grads, 2.0)
+    sc.unscale_and_clip(grads, 2.0, 1.0)
+    sc.find_non_finite(grads)
+    sc.non_finite_leaves(grads)
+try:
+    sc.unscale([np.ones(3, np.int32)], 2.0)
+except sc.GradientTypeError as e:
+    assert "bfloat16" in str(e), e
+assert "ml_dtypes" not in sys.modules, "a float gradient imported ml_dtypes"
+import ml_dtypes
+g = [np.full(3, 4.0, ml_dtypes.bfloat16)]
+_, found = sc.unscale(g, 2.0)
+assert not found and (g[0] == 2.0).all()
+(report,) = sc.non_finite_leaves([np.array([np.inf, np.nan], ml_dtypes.bfloat16)])
+assert (report.nan, report.inf) == (1, 1)
+print("ok")
+"""
+    assert run_python(code).split() == ["ok"]

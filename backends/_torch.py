@@ -45,7 +45,6 @@ from collections import defaultdict
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, NamedTuple, cast
 
-import ml_dtypes
 import numpy as np
 import torch
 
@@ -78,19 +77,31 @@ __all__ = [
     "unscale_buckets",
 ]
 
+#: NumPy's dtype of each accepted torch dtype but bfloat16 (see :func:`_numpy_dtype`).
 _NUMPY_DTYPES: dict[torch.dtype, np.dtype[Any]] = {
     torch.float16: np.dtype(np.float16),
-    torch.bfloat16: np.dtype(ml_dtypes.bfloat16),
     torch.float32: np.dtype(np.float32),
     torch.float64: np.dtype(np.float64),
 }
+#: The torch dtypes the backend accepts.
+_ACCEPTED = frozenset({*_NUMPY_DTYPES, torch.bfloat16})
 _HALF = (torch.float16, torch.bfloat16)
 #: The dtypes the numba kernels read in place, by address.
 _WIDE = (torch.float32, torch.float64)
 
 
 def _numpy_dtype(dtype: Any) -> np.dtype[Any] | None:
+    """NumPy's dtype for a torch dtype (``None`` for one the backend refuses). ml_dtypes,
+    whose import takes over a second, is imported only for a bfloat16 tensor."""
+    if dtype is torch.bfloat16:
+        return _bfloat16()
     return _NUMPY_DTYPES.get(dtype)
+
+
+def _bfloat16() -> np.dtype[Any]:
+    import ml_dtypes  # noqa: PLC0415 - only where a bfloat16 tensor is met
+
+    return np.dtype(ml_dtypes.bfloat16)
 
 
 #: torch gradient leaves (dense or sparse COO tensors).
@@ -162,7 +173,7 @@ def _flat_leaves(grads: list[Any] | tuple[Any, ...]) -> list[_Leaf] | None:
     for i, leaf in enumerate(grads):
         if leaf is None:
             continue
-        if type(leaf) is not torch.Tensor or leaf.dtype not in _NUMPY_DTYPES or leaf.is_sparse:
+        if type(leaf) is not torch.Tensor or leaf.dtype not in _ACCEPTED or leaf.is_sparse:
             return None
         if leaf.layout is not torch.strided:
             return None
@@ -477,7 +488,7 @@ def _numpy_view(t: torch.Tensor) -> np.ndarray:
     if t.is_neg():
         t = torch._neg_view(t)  # the memory itself, its sign bit no longer flipped
     if t.dtype is torch.bfloat16:
-        return t.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
+        return t.view(torch.int16).numpy().view(_bfloat16())
     return t.numpy()
 
 

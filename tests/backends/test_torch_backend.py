@@ -250,3 +250,35 @@ def test_a_refused_sparse_call_changes_nothing() -> None:
         assert not grad.is_coalesced()
         assert torch.equal(grad._indices(), before[0])
         assert torch.equal(grad._values(), before[1])
+
+
+def test_float_tensors_never_import_ml_dtypes(run_python: Any) -> None:
+    """ml_dtypes (NumPy's bfloat16) takes over a second to import: the drop-in's step
+    and the torch backend's operations on float16/32/64 CPU tensors run without it;
+    a bfloat16 tensor imports it where its NumPy view needs it, and works."""
+    code = """
+import sys
+import torch
+import scaler_core as sc
+from scaler_core.torch import GradScaler
+
+model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 2))
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+scaler = GradScaler("cpu")
+scaler.scale(model(torch.ones(2, 8)).sum()).backward()
+scaler.unscale_and_clip_(opt, 1.0)
+scaler.step(opt)
+scaler.update()
+for dtype in (torch.float16, torch.float32, torch.float64):
+    grads = [torch.full((5,), 4.0, dtype=dtype), torch.full((3, 3), 4.0, dtype=dtype).t()]
+    sc.unscale_and_clip(grads, 2.0, 1.0)
+    sc.unscale_and_norm(grads, 2.0)
+    sc.find_non_finite(grads)
+    sc.non_finite_leaves(grads)
+assert "ml_dtypes" not in sys.modules, "a float tensor imported ml_dtypes"
+g = [torch.full((4,), 4.0, dtype=torch.bfloat16), torch.full((3, 3), 4.0, dtype=torch.bfloat16).t()]
+_, found, norm = sc.unscale_and_clip(g, 2.0, 100.0)
+assert not bool(found) and all(bool((t == 2.0).all()) for t in g), g
+print("ok")
+"""
+    assert run_python(code).split() == ["ok"]

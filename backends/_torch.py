@@ -101,7 +101,8 @@ def _numpy_dtype(dtype: Any) -> np.dtype[Any] | None:
 def _bfloat16() -> np.dtype[Any]:
     import ml_dtypes  # noqa: PLC0415 - only where a bfloat16 tensor is met
 
-    return np.dtype(ml_dtypes.bfloat16)
+    bfloat16: np.dtype[Any] = np.dtype(ml_dtypes.bfloat16)
+    return bfloat16
 
 
 #: torch gradient leaves (dense or sparse COO tensors).

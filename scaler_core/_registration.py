@@ -15,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 import sys
 import threading
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from ._errors import InvalidStateError
@@ -80,22 +80,20 @@ def register_pytree() -> None:
     needs to call it; it is public for code that builds states before importing
     JAX and then hands them to JAX directly.
     """
-    if _PYTREE[0]:
-        return
-    with _LOCK:
-        if _PYTREE[0]:
-            return
-        import jax.tree_util  # noqa: PLC0415 - JAX is optional; imported only here
+    _once(_PYTREE, _register_pytree)
 
-        cls, _ = _DECLARED[0]
-        data = _data_fields(cls)
-        meta = [f.name for f in dataclasses.fields(cls) if f.metadata["static"]]
-        try:
-            jax.tree_util.register_dataclass(cls, data_fields=data, meta_fields=meta)
-        except ValueError as exc:  # already registered (by hand, or a reloaded module)
-            if "egistration" not in str(exc):
-                raise
-        _PYTREE[0] = True
+
+def _register_pytree() -> None:
+    import jax.tree_util  # noqa: PLC0415 - JAX is optional; imported only here
+
+    cls, _ = _DECLARED[0]
+    data = _data_fields(cls)
+    meta = [f.name for f in dataclasses.fields(cls) if f.metadata["static"]]
+    try:
+        jax.tree_util.register_dataclass(cls, data_fields=data, meta_fields=meta)
+    except ValueError as exc:  # already registered (by hand, or a reloaded module)
+        if "egistration" not in str(exc):
+            raise
 
 
 def register_flax_serialization() -> None:
@@ -107,40 +105,50 @@ def register_flax_serialization() -> None:
     config (static, as under ``jit``). Called by every state construction once flax
     is imported, so a user rarely needs to call it.
     """
-    if _FLAX[0]:
+    _once(_FLAX, _register_flax)
+
+
+def _register_flax() -> None:
+    from flax import serialization  # noqa: PLC0415 - flax is optional; imported only here
+
+    cls, optional = _DECLARED[0]
+    fields = _data_fields(cls)
+
+    def to_state(state: Any) -> dict[str, Any]:
+        return {n: serialization.to_state_dict(getattr(state, n)) for n in fields}
+
+    def from_state(target: Any, data: dict[str, Any]) -> Any:
+        # A state saved before a field existed (spike skipping's) lacks it: the
+        # field keeps the target's value (a fresh window).
+        missing = [n for n in fields if n not in data and n not in optional]
+        if missing:
+            raise InvalidStateError(
+                f"flax state dict {sorted(data)!r} lacks the {cls.__name__} fields "
+                f"{missing!r}; restore a state saved from a {cls.__name__}"
+            )
+        values = {
+            n: serialization.from_state_dict(getattr(target, n), data[n], name=n)
+            for n in fields
+            if n in data
+        }
+        return dataclasses.replace(target, **values)
+
+    try:
+        serialization.register_serialization_state(  # type: ignore[no-untyped-call, unused-ignore]
+            cls, to_state, from_state
+        )
+    except ValueError as exc:  # already registered (a reloaded module)
+        if "already registered" not in str(exc):
+            raise
+
+
+def _once(done: list[bool], register: Callable[[], None]) -> None:
+    """Run ``register`` once per process (until the next :func:`declare`), under the
+    lock, and mark ``done`` after it succeeds."""
+    if done[0]:
         return
     with _LOCK:
-        if _FLAX[0]:
+        if done[0]:
             return
-        from flax import serialization  # noqa: PLC0415 - flax is optional; imported only here
-
-        cls, optional = _DECLARED[0]
-        fields = _data_fields(cls)
-
-        def to_state(state: Any) -> dict[str, Any]:
-            return {n: serialization.to_state_dict(getattr(state, n)) for n in fields}
-
-        def from_state(target: Any, data: dict[str, Any]) -> Any:
-            # A state saved before a field existed (spike skipping's) lacks it: the
-            # field keeps the target's value (a fresh window).
-            missing = [n for n in fields if n not in data and n not in optional]
-            if missing:
-                raise InvalidStateError(
-                    f"flax state dict {sorted(data)!r} lacks the {cls.__name__} fields "
-                    f"{missing!r}; restore a state saved from a {cls.__name__}"
-                )
-            values = {
-                n: serialization.from_state_dict(getattr(target, n), data[n], name=n)
-                for n in fields
-                if n in data
-            }
-            return dataclasses.replace(target, **values)
-
-        try:
-            serialization.register_serialization_state(  # type: ignore[no-untyped-call, unused-ignore]
-                cls, to_state, from_state
-            )
-        except ValueError as exc:  # already registered (a reloaded module)
-            if "already registered" not in str(exc):
-                raise
-        _FLAX[0] = True
+        register()
+        done[0] = True

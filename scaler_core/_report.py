@@ -29,7 +29,7 @@ def _is_count(value: object) -> bool:
 
 
 def _count(name: str, value: object) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+    if not (isinstance(value, int) and _is_count(value)):
         raise InvalidArgumentError(f"{name}={value!r}, but it must be an int >= 0")
 
 

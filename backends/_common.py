@@ -18,23 +18,20 @@ import numpy as np
 
 from scaler_core._coerce import flag_error, host_flag
 from scaler_core._errors import GradientTypeError, GradientValueError, InvalidArgumentError
-from scaler_core._f32 import FLT_MAX, f32, is_normal_f32
+from scaler_core._f32 import f32, is_normal_f32
 
 __all__ = [
     "ACCEPTED",
-    "CLIP_EPS",
     "FLOAT_DTYPES",
     "HALF_DTYPES",
     "NORM_CHUNK",
     "LeafKind",
     "bit_counts",
     "check_select_pair",
-    "clip_coefficient",
     "flag_error",
     "host_flag",
     "inv_scale_of",
     "is_bfloat16",
-    "max_norm_of",
     "norm_of_sums",
 ]
 
@@ -195,49 +192,6 @@ def check_select_pair(path: str, skip: Any, step: Any) -> None:
 #: Elements per chunk of a norm's sum of squares: each chunk is summed in float64,
 #: and the chunks' sums are added exactly, so the split of work never shows.
 NORM_CHUNK = 1 << 17
-#: What PyTorch's ``clip_grad_norm_`` adds to the norm before dividing.
-CLIP_EPS = np.float32(1e-6)
-
-
-def max_norm_of(max_norm: Any) -> float:
-    """``max_norm`` as a float after checking it is a positive, finite float32-range real.
-
-    Raises:
-        InvalidArgumentError: It is not a real number, or not in (0, FLT_MAX].
-
-    >>> max_norm_of(1)
-    1.0
-    """
-    must = (
-        f"a real number > 0 and at most {FLT_MAX!r} (the largest float32); pass the norm "
-        f"to clip to, e.g. max_norm=1.0"
-    )
-    if isinstance(max_norm, (bool, np.bool_)) or not isinstance(max_norm, numbers.Real):
-        raise InvalidArgumentError(f"max_norm={max_norm!r}, but it must be {must}")
-    try:
-        value = float(max_norm)
-    except (OverflowError, ValueError):
-        raise InvalidArgumentError(f"max_norm={max_norm!r}, but it must be {must}") from None
-    if not (math.isfinite(value) and 0.0 < value <= FLT_MAX and f32(value) > 0.0):
-        raise InvalidArgumentError(f"max_norm={max_norm!r}, but it must be {must}")
-    return value
-
-
-def clip_coefficient(norm: Any, max_norm: float) -> np.float32:
-    """PyTorch's ``clip_grad_norm_`` coefficient, in its float32 steps, clamped at 1.
-
-    ``min(1, f32(1 / f32(norm + 1e-6)) * f32(max_norm))``: PyTorch forms
-    ``max_norm / (norm + 1e-6)`` as a reciprocal and a product, each rounded to
-    float32, and the result here is bit for bit its ``clip_coef_clamped``.
-
-    >>> float(clip_coefficient(np.float32(2.0), 1.0))
-    0.4999997615814209
-    """
-    denominator = np.float32(norm) + CLIP_EPS
-    with np.errstate(divide="ignore", over="ignore", invalid="ignore"):
-        coef = (np.float32(1.0) / denominator) * np.float32(max_norm)
-    out: np.float32 = np.float32(np.minimum(coef, np.float32(1.0)))
-    return out
 
 
 def norm_of_sums(sums: Any) -> np.float32:

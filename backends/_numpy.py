@@ -34,10 +34,12 @@ from typing import Any
 import numpy as np
 
 from scaler_core._errors import BackendUnavailableError
+from scaler_core._ops import clip_coefficient
 
-from ._common import NORM_CHUNK, clip_coefficient, inv_scale_of, max_norm_of, norm_of_sums
+from ._common import NORM_CHUNK, inv_scale_of, norm_of_sums
 from ._numpy_reference import (
     NumpyReferenceBackend,
+    Prepared,
     chunk_sums,
     clip_in_place,
     numpy_leaves,
@@ -201,78 +203,75 @@ class NumpyBackend(NumpyReferenceBackend):
 
     # -- the backend ---------------------------------------------------------
 
-    def unscale(self, grads: Any, scale: Any) -> tuple[Any, np.bool_]:
-        """See :meth:`scaler_core.Backend.unscale`: in place, one pass per array."""
-        inv = inv_scale_of(scale)
+    def leaves(self, grads: Any, *, writable: bool) -> Prepared:
+        """See :meth:`scaler_core.Backend.leaves`: the arrays, or their cached plan."""
+        return Prepared(grads, self._prepare(grads, writable=writable))
+
+    def unscale(self, leaves: Prepared, scale: Any) -> tuple[Any, np.bool_]:
+        """See :meth:`scaler_core.Backend.unscale`: in place, one pass per array (a
+        read alone without a scale)."""
+        inv = None if scale is None else inv_scale_of(scale)
+        prepared = leaves.work
         kernels = self._resolve()
         if kernels is None:
-            leaves = _leaves(self._prepare(grads, writable=True))
             with np.errstate(all="ignore"):
-                return grads, np.bool_(_numpy_unscale(leaves, inv))
-        prepared = self._prepare(grads, writable=True)
+                arrays = _leaves(prepared)
+                found = _numpy_detect(arrays) if inv is None else _numpy_unscale(arrays, inv)
+                return leaves.grads, np.bool_(found)
+        # A signalling NaN is an answer, not a warning; overflow is what the flag reports.
         with np.errstate(all="ignore"):
+            if inv is None or inv == 1.0:  # the reference writes nothing: neither do we
+                if isinstance(prepared, list):
+                    return leaves.grads, np.bool_(_numba_detect_arrays(kernels, prepared))
+                return leaves.grads, np.bool_(_numba_detect(kernels, prepared))
             if isinstance(prepared, list):
-                return grads, np.bool_(_numba_unscale_arrays(kernels, prepared, inv))
+                return leaves.grads, np.bool_(_numba_unscale_arrays(kernels, prepared, inv))
             if prepared.aliased:
-                return REFERENCE.unscale(grads, scale)
-            if inv == 1.0:  # the reference writes nothing: neither do we
-                return grads, np.bool_(_numba_detect(kernels, prepared))
-            return grads, np.bool_(_numba_unscale(kernels, prepared, inv))
+                return REFERENCE.unscale(Prepared(leaves.grads, _leaves(prepared)), scale)
+            return leaves.grads, np.bool_(_numba_unscale(kernels, prepared, inv))
 
-    def unscale_norm(self, grads: Any, scale: Any) -> tuple[Any, np.bool_, np.float32]:
-        """See :meth:`scaler_core.Backend.unscale_norm`: one pass, reads and writes once."""
+    def measure(
+        self, leaves: Prepared, scale: Any, *, write: bool
+    ) -> tuple[Any, np.bool_, np.float32]:
+        """See :meth:`scaler_core.Backend.measure`: one pass; with ``write``, reads and
+        writes once."""
         inv = inv_scale_of(scale)
-        prepared = self._prepare(grads, writable=True)
-        if _overlaps(prepared):
-            return REFERENCE.unscale_norm(grads, scale)
-        found, norm = self.norm_planned(prepared, inv)
-        return grads, found, norm
+        if _overlaps(leaves.work):
+            return REFERENCE.measure(
+                Prepared(leaves.grads, _leaves(leaves.work)), scale, write=write
+            )
+        found, norm = self.measure_planned(leaves.work, inv, write=write)
+        return leaves.grads, found, norm
 
-    def norm_planned(self, prepared: Plan | list[np.ndarray], inv: float) -> tuple[Any, Any]:
-        """:meth:`unscale_norm` of validated leaves or a plan none of whose arrays
-        overlap (see :func:`plan_blocks`): ``(found, norm)``."""
+    def measure_planned(
+        self, prepared: Plan | list[np.ndarray], inv: float, *, write: bool
+    ) -> tuple[np.bool_, np.float32]:
+        """:meth:`measure` of validated leaves or a plan none of whose arrays overlap
+        (see :func:`plan_blocks`), with the inverse scale checked: ``(found, norm)``."""
         with np.errstate(all="ignore"):
-            found, sums = self._measure(prepared, inv, write=inv != 1.0)
+            found, sums = self._measure(prepared, inv, write=write and inv != 1.0)
             return np.bool_(found), norm_of_sums(sums)
 
-    def unscale_clip(
-        self,
-        grads: Any,
-        scale: Any,
-        max_norm: float,
-        reduce: Callable[[Any], Any] | None = None,
-    ) -> tuple[Any, Any, np.float32]:
-        """See :meth:`scaler_core.Backend.unscale_clip`: a read, then a write if stepping."""
+    def rescale(self, leaves: Prepared, scale: Any, norm: Any, max_norm: float, skip: Any) -> Any:
+        """See :meth:`scaler_core.Backend.rescale`: one write unless skipped."""
+        if self.to_bool(skip):
+            return leaves.grads
         inv = inv_scale_of(scale)
-        limit = max_norm_of(max_norm)
-        prepared = self._prepare(grads, writable=True)
-        if _overlaps(prepared):
-            return REFERENCE.unscale_clip(grads, scale, max_norm, reduce)
-        flag, norm = self.clip_planned(prepared, inv, limit, reduce)
-        return grads, flag, norm
+        if _overlaps(leaves.work):
+            return REFERENCE.rescale(
+                Prepared(leaves.grads, _leaves(leaves.work)), scale, norm, max_norm, skip
+            )
+        self.rescale_planned(leaves.work, inv, norm, max_norm)
+        return leaves.grads
 
-    def clip_planned(
-        self,
-        prepared: Plan | list[np.ndarray],
-        inv: float,
-        limit: float,
-        reduce: Callable[[Any], Any] | None = None,
-    ) -> tuple[Any, np.float32]:
-        """:meth:`unscale_clip` of validated leaves or a plan none of whose arrays
-        overlap (see :func:`plan_blocks`), with the inverse scale and the limit already
-        checked: ``(flag, norm)``."""
+    def rescale_planned(
+        self, prepared: Plan | list[np.ndarray], inv: float, norm: Any, max_norm: float
+    ) -> None:
+        """:meth:`rescale` of a step that is taken, for what :meth:`measure_planned` took."""
         with np.errstate(all="ignore"):
-            found, sums = self._measure(prepared, inv, write=False)
-            norm = norm_of_sums(sums)
-            flag: Any = np.bool_(found)
-            if reduce is not None:
-                flag = reduce(flag)
-            if self.to_bool(flag):
-                return flag, norm
-            coef = clip_coefficient(norm, limit)
+            coef = clip_coefficient(np, np.float32(norm), max_norm)
             if inv != 1.0 or coef != 1.0:  # else nothing would change: write nothing
                 _clip(self._resolve(), prepared, inv, coef)
-        return flag, norm
 
     def _measure(
         self, prepared: Plan | list[np.ndarray], inv: float, *, write: bool
@@ -285,19 +284,6 @@ class NumpyBackend(NumpyReferenceBackend):
         if isinstance(prepared, list):
             return _numba_norm_arrays(kernels, prepared, inv, write)
         return _numba_norm(kernels, prepared, inv, write)
-
-    def find_non_finite(self, grads: Any) -> np.bool_:
-        """See :meth:`scaler_core.Backend.find_non_finite`: reads each element once."""
-        kernels = self._resolve()
-        if kernels is None:
-            leaves = _leaves(self._prepare(grads, writable=False))
-            with np.errstate(all="ignore"):
-                return np.bool_(_numpy_detect(leaves))
-        prepared = self._prepare(grads, writable=False)
-        with np.errstate(invalid="ignore"):  # a signalling NaN is an answer, not a warning
-            if isinstance(prepared, list):
-                return np.bool_(_numba_detect_arrays(kernels, prepared))
-            return np.bool_(_numba_detect(kernels, prepared))
 
 
 # -- the numba path -----------------------------------------------------------

@@ -7,12 +7,12 @@ answer for (overlapping arrays).
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
 from scaler_core._errors import GradientValueError
+from scaler_core._ops import clip_coefficient
 from scaler_core._state import ScalerState, host_update, require_state
 from scaler_core._tree import leaves_with_paths, map_pairs
 
@@ -22,11 +22,9 @@ from ._common import (
     LeafKind,
     bit_counts,
     check_select_pair,
-    clip_coefficient,
     flag_error,
     host_flag,
     inv_scale_of,
-    max_norm_of,
     norm_of_sums,
 )
 
@@ -34,6 +32,7 @@ __all__ = [
     "BACKEND",
     "LEAVES",
     "NumpyReferenceBackend",
+    "Prepared",
     "chunk_sums",
     "clip_in_place",
     "numpy_leaves",
@@ -108,19 +107,32 @@ def clip_in_place(g: np.ndarray, u: np.ndarray, coef: np.float32) -> None:
         np.multiply(u, g.dtype.type(coef), out=g)
 
 
+class Prepared(NamedTuple):
+    """What :meth:`NumpyReferenceBackend.leaves` returns: the tree and its work."""
+
+    #: The gradient tree, returned as it is (NumPy works in place).
+    grads: Any
+    #: The validated arrays, each once (the fast backend's may be a plan of them).
+    work: Any
+
+
 class NumpyReferenceBackend:
     """Unscale and detection for NumPy arrays, plainly. The flag is a ``numpy.bool_``."""
 
     name = "numpy"
 
-    def unscale(self, grads: Any, scale: Any) -> tuple[Any, np.bool_]:
+    def leaves(self, grads: Any, *, writable: bool) -> Prepared:
+        """See :meth:`scaler_core.Backend.leaves`: the arrays, each once, in a list."""
+        return Prepared(grads, [leaf for _, leaf in numpy_leaves(grads, writable=writable)])
+
+    def unscale(self, leaves: Prepared, scale: Any) -> tuple[Any, np.bool_]:
         """See :meth:`scaler_core.Backend.unscale`."""
-        inv = inv_scale_of(scale)
-        leaves = numpy_leaves(grads, writable=True)
+        inv = 1.0 if scale is None else inv_scale_of(scale)
         found = False
-        # Overflow to inf is expected here (it is what the flag reports), not a warning.
+        # Overflow to inf is expected here (it is what the flag reports), not a warning;
+        # so is a signalling NaN's 'invalid' in isfinite.
         with np.errstate(over="ignore", invalid="ignore"):
-            for _, g in leaves:
+            for g in leaves.work:
                 if inv != 1.0:
                     if g.dtype in HALF_DTYPES:
                         g[...] = np.multiply(g, np.float32(inv), dtype=np.float32)
@@ -128,46 +140,34 @@ class NumpyReferenceBackend:
                         np.multiply(g, g.dtype.type(inv), out=g)
                 if not found and not _all_finite(g):
                     found = True
-        return grads, np.bool_(found)
+        return leaves.grads, np.bool_(found)
 
-    def unscale_norm(self, grads: Any, scale: Any) -> tuple[Any, np.bool_, np.float32]:
-        """See :meth:`scaler_core.Backend.unscale_norm`: unscale, then sum the stored squares."""
-        grads, found = self.unscale(grads, scale)
-        leaves = numpy_leaves(grads, writable=True)
-        return grads, found, norm_of_sums(s for _, g in leaves for s in chunk_sums(g))
-
-    def unscale_clip(
-        self,
-        grads: Any,
-        scale: Any,
-        max_norm: float,
-        reduce: Callable[[Any], Any] | None = None,
-    ) -> tuple[Any, Any, np.float32]:
-        """See :meth:`scaler_core.Backend.unscale_clip`: copies first, then write if stepping."""
+    def measure(
+        self, leaves: Prepared, scale: Any, *, write: bool
+    ) -> tuple[Any, np.bool_, np.float32]:
+        """See :meth:`scaler_core.Backend.measure`: unscale (or unscaled copies), then
+        sum the squares."""
         inv = inv_scale_of(scale)
-        limit = max_norm_of(max_norm)
-        leaves = numpy_leaves(grads, writable=True)
+        if write:
+            grads, found = self.unscale(leaves, scale)
+            return grads, found, norm_of_sums(s for g in leaves.work for s in chunk_sums(g))
         with np.errstate(over="ignore", invalid="ignore"):
-            unscaled = [unscaled_copy(g, inv) for _, g in leaves]
-            found: Any = np.bool_(not all(_all_finite(u) for u in unscaled))
+            unscaled = [unscaled_copy(g, inv) for g in leaves.work]
+            found = np.bool_(not all(_all_finite(u) for u in unscaled))
             norm = norm_of_sums(s for u in unscaled for s in chunk_sums(u))
-            if reduce is not None:
-                found = reduce(found)
-            if self.to_bool(found):
-                return grads, found, norm
-            coef = clip_coefficient(norm, limit)
-            if inv != 1.0 or coef != 1.0:  # else nothing would change: write nothing
-                for (_, g), u in zip(leaves, unscaled, strict=True):
-                    clip_in_place(g, u, coef)
-        return grads, found, norm
+        return leaves.grads, found, norm
 
-    def find_non_finite(self, grads: Any) -> np.bool_:
-        """See :meth:`scaler_core.Backend.find_non_finite`."""
-        leaves = numpy_leaves(grads, writable=False)
-        # A signalling NaN raises NumPy's 'invalid' warning in isfinite; it is what the
-        # flag reports, not a warning.
-        with np.errstate(invalid="ignore"):
-            return np.bool_(not all(_all_finite(g) for _, g in leaves))
+    def rescale(self, leaves: Prepared, scale: Any, norm: Any, max_norm: float, skip: Any) -> Any:
+        """See :meth:`scaler_core.Backend.rescale`: unscaled copies, times the coefficient."""
+        if self.to_bool(skip):
+            return leaves.grads
+        inv = inv_scale_of(scale)
+        with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
+            coef = clip_coefficient(np, np.float32(norm), max_norm)
+            if inv != 1.0 or coef != 1.0:  # else nothing would change: write nothing
+                for g in leaves.work:
+                    clip_in_place(g, unscaled_copy(g, inv), coef)
+        return leaves.grads
 
     def scale_loss(self, loss: Any, scale: Any) -> Any:
         """See :meth:`scaler_core.Backend.scale_loss`."""

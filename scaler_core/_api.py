@@ -7,6 +7,7 @@ import inspect
 from collections.abc import Callable
 from typing import Any
 
+from . import _ops
 from ._backend import Backend, backend_for, resolve_backend
 from ._coerce import device_norm, host_flag, host_norm, norm_missing_error, one_library
 from ._config import ScalerConfig
@@ -275,7 +276,7 @@ def unscale(
     """
     if isinstance(scale, ScalerState):
         scale = scale.scale
-    return resolve_backend(backend, grads).unscale(grads, scale)
+    return _ops.unscale(resolve_backend(backend, grads), grads, scale)
 
 
 def unscale_and_norm(
@@ -285,7 +286,7 @@ def unscale_and_norm(
 
     The norm (float32, kept on the device) is accumulated in float64 and rounded
     once: within one float32 ulp of the exact norm, and NaN or inf when ``found``
-    is true. See :meth:`Backend.unscale_norm`.
+    is true. See :meth:`Backend.measure`.
 
     Returns:
         ``(grads, found, norm)``.
@@ -298,7 +299,7 @@ def unscale_and_norm(
     """
     if isinstance(scale, ScalerState):
         scale = scale.scale
-    return resolve_backend(backend, grads).unscale_norm(grads, scale)
+    return _ops.unscale_norm(resolve_backend(backend, grads), grads, scale)
 
 
 def unscale_and_clip(
@@ -316,7 +317,7 @@ def unscale_and_clip(
     ``clip_grad_norm_`` coefficient, ``min(1, max_norm / (norm + 1e-6))`` formed in
     float32 as PyTorch forms it. Equivalent to ``unscale`` then
     ``torch.nn.utils.clip_grad_norm_(params, max_norm)``, for a step that is taken.
-    See :meth:`Backend.unscale_clip`.
+    See :meth:`Backend.measure` and :meth:`Backend.rescale`.
 
     Returns:
         ``(grads, found, norm)``: ``norm`` is the norm before clipping, as
@@ -333,7 +334,7 @@ def unscale_and_clip(
     """
     if isinstance(scale, ScalerState):
         scale = scale.scale
-    return resolve_backend(backend, grads).unscale_clip(grads, scale, max_norm)
+    return _ops.unscale_clip(resolve_backend(backend, grads), grads, scale, max_norm)
 
 
 def find_non_finite(grads: Any, *, backend: str | Backend | None = None) -> Any:
@@ -343,4 +344,4 @@ def find_non_finite(grads: Any, *, backend: str | Backend | None = None) -> Any:
     >>> bool(find_non_finite([np.array([1.0, np.inf])]))
     True
     """
-    return resolve_backend(backend, grads).find_non_finite(grads)
+    return _ops.find_non_finite(resolve_backend(backend, grads), grads)

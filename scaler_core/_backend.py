@@ -34,7 +34,15 @@ __all__ = [
 
 @runtime_checkable
 class Backend(Protocol):
-    """What every backend provides. The docstrings here are the contract.
+    """What every backend provides: its library's fused passes. The docstrings here
+    are the contract.
+
+    A backend is a set of kernels, not a set of features: validated leaves, unscale
+    with detection, a measuring pass that can also write, a rescale pass that applies
+    the clip coefficient or nothing, and the flag operations. Every user-level
+    operation (:func:`scaler_core.unscale`, ``unscale_and_norm``, ``unscale_and_clip``,
+    ``find_non_finite``, :func:`scaler_core.non_finite_leaves`) is composed from these
+    once, in the core (``scaler_core._ops``), for every backend.
 
     Flags ("found" values) are whatever the library keeps on its device: a NumPy
     bool for NumPy, a 0-d boolean array for CuPy, JAX and PyTorch. No method but
@@ -44,52 +52,75 @@ class Backend(Protocol):
     :func:`scaler_core.non_finite_leaves` reads: each leaf once (at its first path,
     in leaf order, the paths as in the backend's error messages) with its number of
     NaN and of +-inf elements, as Python ints read back to the host. It validates
-    the leaves as :meth:`unscale` does, read-only arrays excepted, and modifies
+    the leaves as :meth:`leaves` does, read-only arrays accepted, and modifies
     nothing. The report itself is built once, by the core, for every backend.
     """
 
     #: The name the backend is registered under (``"numpy"``, ``"jax"``...).
     name: str
 
-    def unscale(self, grads: Any, scale: Any) -> tuple[Any, Any]:
+    def leaves(self, grads: Any, *, writable: bool) -> Any:
+        """The leaves of ``grads``, validated, prepared for the passes below.
+
+        What it returns is the backend's own (a list of arrays, a plan of address
+        tables, a flattened pytree): the core only hands it back to :meth:`unscale`,
+        :meth:`measure` and :meth:`rescale`, which return the gradient tree from it.
+
+        Args:
+            grads: A gradient tree (nested dicts, lists, tuples; ``None`` leaves
+                skipped; a JAX pytree for JAX).
+            writable: Whether a pass will write (a read-only array is refused).
+
+        Raises:
+            GradientTypeError: A leaf is not an array of this library, or has an
+                integer, bool, complex or object dtype.
+            GradientValueError: ``writable`` and a leaf is read-only.
+        """
+        ...
+
+    def unscale(self, leaves: Any, scale: Any) -> tuple[Any, Any]:
         """Multiply every gradient by ``inv_scale`` and report non-finite values.
 
         ``inv_scale = f32(1 / f64(scale))`` as PyTorch computes it. float16 and
         bfloat16 gradients are computed in float32 and written back in their own
         dtype; float64 gradients are multiplied in float64. The flag is true if
-        any element, as stored after unscaling, is NaN or +-inf. Every leaf is
-        validated before any is modified.
+        any element, as stored after unscaling, is NaN or +-inf. With ``scale``
+        ``None`` (and with a scale of 1) nothing is written: detection alone, each
+        element read once.
 
         Args:
-            grads: A gradient tree (nested dicts, lists, tuples; ``None`` leaves
-                skipped; a JAX pytree for JAX).
+            leaves: What :meth:`leaves` returned.
             scale: The current scale: a Python float, or a 0-d float32 array of
-                this backend's library (a device state's ``scale``).
+                this backend's library (a device state's ``scale``); or ``None``.
 
         Returns:
-            ``(grads, found)``: the same tree modified in place where the library
+            ``(grads, found)``: the tree modified in place where the library
             allows it (NumPy, CuPy, PyTorch), a new tree where it does not (JAX), and one
             flag for all gradients.
 
         Raises:
-            GradientTypeError: A leaf is not an array of this library, or has an
-                integer, bool, complex or object dtype.
-            GradientValueError: A leaf is read-only, or ``scale`` is not a
-                positive normal float32.
+            GradientValueError: ``scale`` is not a positive normal float32 (a
+                device scale is not read back: a bad one fails closed, every
+                gradient NaN and the flag set). Before anything is written.
         """
         ...
 
-    def unscale_norm(self, grads: Any, scale: Any) -> tuple[Any, Any, Any]:
-        """:meth:`unscale`, and the global L2 norm of the unscaled gradients, in one pass.
+    def measure(self, leaves: Any, scale: Any, *, write: bool) -> tuple[Any, Any, Any]:
+        """The flag and the global L2 norm of the unscaled gradients, in one read.
 
-        The gradients and the flag are exactly :meth:`unscale`'s. The norm is the
-        square root of the sum of squares of every element *as stored after
-        unscaling*, accumulated in float64 and rounded once to float32: it equals
-        the exactly rounded norm to within one float32 unit in the last place
-        (ulp), and is NaN or inf whenever the flag is true (it can also be inf
-        with the flag false, when the norm itself passes float32's largest value).
-        It stays on the device (NumPy: a ``numpy.float32``; others: a 0-d float32
-        array), so no host synchronisation happens.
+        The flag is exactly :meth:`unscale`'s. The norm is the square root of the
+        sum of squares of every element *as stored after unscaling*, accumulated in
+        float64 and rounded once to float32: it equals the exactly rounded norm to
+        within one float32 unit in the last place (ulp), and is NaN or inf whenever
+        the flag is true (it can also be inf with the flag false, when the norm
+        itself passes float32's largest value). It stays on the device (NumPy: a
+        ``numpy.float32``; others: a 0-d float32 array).
+
+        With ``write`` the unscaled values are stored too (what :meth:`unscale`
+        stores): unscale, detection and norm in one pass. Without it nothing is
+        written, except on a backend that has no read-only pass, which may store
+        the unscaled values here and say so in its docs (its :meth:`rescale` then
+        applies the coefficient alone).
 
         Returns:
             ``(grads, found, norm)``.
@@ -99,49 +130,26 @@ class Backend(Protocol):
         """
         ...
 
-    def unscale_clip(
-        self,
-        grads: Any,
-        scale: Any,
-        max_norm: float,
-        reduce: Callable[[Any], Any] | None = None,
-    ) -> tuple[Any, Any, Any]:
-        """Unscale, detect and clip to ``max_norm``: two reads and one write at most.
+    def rescale(self, leaves: Any, scale: Any, norm: Any, max_norm: float, skip: Any) -> Any:
+        """The clip pass after :meth:`measure` with ``write=False``: one write, or none.
 
-        First one read of every gradient gives the flag and the norm of the
-        unscaled values (both as :meth:`unscale_norm` computes them) without
-        writing anything. The flag is then passed through ``reduce`` when given
-        (the facade ORs in its other groups and replicas there): that is the skip
-        decision. On a skipped step nothing is written, so the gradients keep
-        their scaled values. Otherwise one more pass stores, for every element
-        ``u`` that :meth:`unscale` would store, ``u * coef`` rounded to the
-        element's dtype, with PyTorch's ``clip_grad_norm_`` coefficient computed
-        in float32: ``coef = min(1, f32(1 / f32(norm + f32(1e-6))) * f32(max_norm))``
-        (float16/bfloat16 computed in float32, float64 in float64). With
-        ``coef == 1`` that is exactly :meth:`unscale`'s result.
+        Unless ``skip`` (a flag, kept on the device) is true, stores, for every
+        element ``u`` that :meth:`unscale` would store, ``u * coef`` rounded to the
+        element's dtype (float16/bfloat16 computed in float32, float64 in float64),
+        where ``coef`` is ``scaler_core._ops.clip_coefficient`` of ``norm`` and
+        ``max_norm`` (PyTorch's ``clip_grad_norm_`` coefficient, in float32). With
+        ``coef == 1`` that is exactly :meth:`unscale`'s result. On a skipped step
+        nothing is written: the gradients keep their scaled values.
 
         Args:
-            grads: As for :meth:`unscale`.
-            scale: As for :meth:`unscale`.
-            max_norm: A positive, finite real number.
-            reduce: Turns this call's flag into the step's decision flag.
+            leaves: The same :meth:`leaves` as the measuring pass had.
+            scale: The same scale.
+            norm: The norm :meth:`measure` returned.
+            max_norm: A positive float, checked by the core.
+            skip: The step's decision flag.
 
         Returns:
-            ``(grads, found, norm)``: ``found`` is the decision flag (after
-            ``reduce``), ``norm`` the norm before clipping (what PyTorch's
-            ``clip_grad_norm_`` returns).
-
-        Raises:
-            The errors of :meth:`unscale`, and ``InvalidArgumentError`` for a bad
-            ``max_norm``, before anything is modified.
-        """
-        ...
-
-    def find_non_finite(self, grads: Any) -> Any:
-        """Detection alone, for static-scale and bfloat16 training: the flag only.
-
-        Reads each element once; modifies nothing. Same validation as
-        :meth:`unscale`.
+            The gradient tree.
         """
         ...
 

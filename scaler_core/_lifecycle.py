@@ -18,6 +18,7 @@ from collections.abc import Callable, Hashable, Mapping
 from types import MappingProxyType
 from typing import Any, TypeVar
 
+from . import _ops
 from ._api import PolicyStep, policy_name, policy_result, policy_step
 from ._api import update as _update
 from ._backend import Backend, backend_for, get_backend
@@ -187,12 +188,12 @@ def _combined_norm(backend: Backend, norms: list[Any]) -> Any:
     """The L2 norm of several gradient groups from their norms (0-d float32 arrays).
 
     It is the norm of the vector of the groups' norms, so it is computed as each
-    group's norm was: by ``backend.unscale_norm`` at scale 1 (which writes nothing),
+    group's norm was: by the measuring pass at scale 1 (which writes nothing),
     squares summed in float64 where the library has it and rounded once. Squaring
     the float32 norms in float32 instead overflows above about ``1.8e19`` and
     flushes below about ``1e-19``.
     """
-    _, _, total = backend.unscale_norm([n.reshape(1) for n in norms], 1.0)
+    _, _, total = _ops.unscale_norm(backend, [n.reshape(1) for n in norms], 1.0)
     return total
 
 
@@ -360,7 +361,7 @@ class GradScaler:
         """
         phase = self._next(Call.UNSCALE_AGAIN if group in self._unscaled else Call.UNSCALE, group)
         backend = self._backend_for(grads)
-        grads, found = backend.unscale(grads, self._state.scale)
+        grads, found = _ops.unscale(backend, grads, self._state.scale)
         self._unscaled.add(group)
         self._record(backend, group, found, phase, grads)
         return grads
@@ -373,7 +374,7 @@ class GradScaler:
         """
         phase = self._next(Call.UNSCALE_AGAIN if group in self._unscaled else Call.UNSCALE, group)
         backend = self._backend_for(grads)
-        grads, found, norm = backend.unscale_norm(grads, self._state.scale)
+        grads, found, norm = _ops.unscale_norm(backend, grads, self._state.scale)
         self._unscaled.add(group)
         self._norms[group] = norm
         self._record(backend, group, found, phase, grads)
@@ -407,7 +408,7 @@ class GradScaler:
             self._reduced = None
             return self._step_found()
 
-        grads, _, norm = backend.unscale_clip(grads, self._state.scale, max_norm, decide)
+        grads, _, norm = _ops.unscale_clip(backend, grads, self._state.scale, max_norm, decide)
         self._unscaled.add(group)
         self._norms[group] = norm
         self._phase = decided
@@ -427,7 +428,7 @@ class GradScaler:
         """
         phase = self._next(Call.DETECT, group)
         backend = self._backend_for(grads)
-        found = backend.find_non_finite(grads)
+        found = _ops.find_non_finite(backend, grads)
         self._record(backend, group, found, phase, grads)
         return found
 

@@ -42,6 +42,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from . import _ops
 from ._config import ScalerConfig
 from ._errors import InvalidArgumentError
 from ._state import ScalerState, start_state, step_skipped
@@ -185,9 +186,9 @@ def loss_scaled(
     ) -> tuple[Any, LossScaledState]:
         norm = None
         if spikes:
-            grads, found, norm = BACKEND.unscale_norm(updates, opt_state.scaler.scale)
+            grads, found, norm = _ops.unscale_norm(BACKEND, updates, opt_state.scaler.scale)
         else:
-            grads, found = BACKEND.unscale(updates, opt_state.scaler.scale)
+            grads, found = _ops.unscale(BACKEND, updates, opt_state.scaler.scale)
         if axis_name is not None:
             found = reduce_found(found, axis_name)
             if norm is not None:

@@ -39,6 +39,7 @@ from typing import Any, TypeVar, cast
 import torch
 from torch.amp.grad_scaler import OptState, _refresh_per_optimizer_state
 
+from . import _ops
 from ._config import ScalerConfig
 from ._errors import InvalidArgumentError
 from ._f32 import f32, is_normal_f32
@@ -455,7 +456,7 @@ class GradScaler(torch.amp.GradScaler):
             return found[flag.device] > 0
 
         grads = [p.grad for p in owners]
-        grads, found, norm = _TORCH.unscale_clip(grads, _scale, max_norm, reduce)
+        grads, found, norm = _ops.unscale_clip(_TORCH, grads, _scale, max_norm, reduce)
         for param, grad in zip(owners, grads, strict=True):
             if grad is not param.grad:  # a sparse gradient, coalesced
                 param.grad = grad

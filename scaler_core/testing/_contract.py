@@ -25,6 +25,7 @@ from typing import Any, NamedTuple
 import ml_dtypes
 import numpy as np
 
+from .. import _ops
 from .._backend import Backend, get_backend, missing_members
 from .._config import ScalerConfig
 from .._errors import (
@@ -150,6 +151,21 @@ class _Check:
             f"check {self.name!r} failed for backend {self.subject.name!r}: {what}"
         )
 
+    # The operations as users call them: composed, once, from the backend's passes.
+    def unscale(self, grads: Any, scale: Any) -> tuple[Any, Any]:
+        return _ops.unscale(self.backend, grads, scale)
+
+    def unscale_norm(self, grads: Any, scale: Any) -> tuple[Any, Any, Any]:
+        return _ops.unscale_norm(self.backend, grads, scale)
+
+    def unscale_clip(
+        self, grads: Any, scale: Any, max_norm: Any, reduce: Callable[[Any], Any] | None = None
+    ) -> tuple[Any, Any, Any]:
+        return _ops.unscale_clip(self.backend, grads, scale, max_norm, reduce)
+
+    def find_non_finite(self, grads: Any) -> Any:
+        return _ops.find_non_finite(self.backend, grads)
+
     def host(self, x: Any) -> np.ndarray:
         """A host copy (a NumPy backend's arrays change in place afterwards)."""
         return np.array(self.subject.to_numpy(x))
@@ -220,7 +236,7 @@ def _one_unscale(c: _Check, host: np.ndarray, scale: float, scale_arg: Any) -> N
     before = [c.host(g) for g in grads]
     want = [_unscaled(b, scale) for b in before]
     case = f"{host.dtype} at scale={scale!r} ({type(scale_arg).__name__})"
-    out, found = c.backend.unscale({"grads": grads}, scale_arg)
+    out, found = c.unscale({"grads": grads}, scale_arg)
     got = [c.host(g) for g in out["grads"]]
     for g, w in zip(got, want, strict=True):
         if not _same_bits(g, w):
@@ -257,7 +273,7 @@ def _check_unscale_trees(c: _Check) -> None:
         ]
         tree = {"a": [leaves[0], None, (leaves[1],)], "b": _Pair(leaves[2], leaves[3])}
         want = [_unscaled(c.host(x), scale) for x in leaves]
-        out, found = c.backend.unscale(tree, scale)
+        out, found = c.unscale(tree, scale)
         if out["a"][1] is not None or type(out["a"][2]) is not tuple or type(out["b"]) is not _Pair:
             raise c.fail("unscale did not keep the tree's structure")
         got = [c.host(x) for x in (out["a"][0], out["a"][2][0], out["b"].c, out["b"].d)]
@@ -268,7 +284,7 @@ def _check_unscale_trees(c: _Check) -> None:
             raise c.fail(f"a tree holding {special!r} flagged wrongly")
     empty_trees: tuple[Any, ...] = ({}, [], [None], {"a": [None, {}]})
     for empty_tree in empty_trees:
-        _, found = c.backend.unscale(empty_tree, 2.0)
+        _, found = c.unscale(empty_tree, 2.0)
         if c.flag(found, "unscale()"):
             raise c.fail(f"the empty tree {empty_tree!r} was flagged")
 
@@ -292,7 +308,7 @@ def _check_subnormals(c: _Check) -> None:
         for scale in (2.0**16, 2.0**-8):  # shrinks into the subnormals; lifts out of them
             host = _subnormal_values(dtype)
             want = expect(host, scale)
-            out, found = c.backend.unscale([c.array(host)], scale)
+            out, found = c.unscale([c.array(host)], scale)
             got = c.host(out[0])
             if not _same_bits(got, want):
                 raise c.fail(
@@ -312,12 +328,12 @@ def _check_find_non_finite(c: _Check) -> None:
             if special is not None:
                 hosts[0][17] = dtype.type(special)
             grads = [c.array(h) for h in hosts]
-            found = c.backend.find_non_finite({"g": grads, "none": None})
+            found = c.find_non_finite({"g": grads, "none": None})
             if c.flag(found, "find_non_finite()") is not (special is not None):
                 raise c.fail(f"{dtype} holding {special!r} flagged wrongly")
             if not all(_same_bits(c.host(g), h) for g, h in zip(grads, hosts, strict=True)):
                 raise c.fail("find_non_finite modified a gradient")
-    if c.flag(c.backend.find_non_finite([]), "find_non_finite()"):
+    if c.flag(c.find_non_finite([]), "find_non_finite()"):
         raise c.fail("the empty tree was flagged")
 
 
@@ -361,13 +377,13 @@ def _check_rejects_bad_leaves(c: _Check) -> None:
         good = c.array(good_host)
         c.raises(
             GradientTypeError,
-            functools.partial(c.backend.unscale, [good, bad], 4.0),
+            functools.partial(c.unscale, [good, bad], 4.0),
             f"unscale of a {what}",
             names="grads[1]",
         )
         c.raises(
             GradientTypeError,
-            functools.partial(c.backend.find_non_finite, [good, bad]),
+            functools.partial(c.find_non_finite, [good, bad]),
             f"find_non_finite of a {what}",
             names="grads[1]",
         )
@@ -384,7 +400,7 @@ def _check_rejects_bad_scales(c: _Check) -> None:
         grads = [c.array(host)]
         c.raises(
             GradientValueError,
-            functools.partial(c.backend.unscale, grads, scale),
+            functools.partial(c.unscale, grads, scale),
             f"unscale at scale={scale!r}",
         )
         if not _same_bits(c.host(grads[0]), host):
@@ -418,8 +434,8 @@ def _check_select(c: _Check) -> None:
     def tree(h: Mapping[str, Any]) -> dict[str, Any]:
         return {"w": c.array(h["w"]), "b": [c.array(h["b"][0])], "n": None}
 
-    dirty = c.backend.find_non_finite([c.array(np.array([np.inf], np.float32))])
-    clean = c.backend.find_non_finite([c.array(np.ones(1, np.float32))])
+    dirty = c.find_non_finite([c.array(np.array([np.inf], np.float32))])
+    clean = c.find_non_finite([c.array(np.ones(1, np.float32))])
     for flag, skip in ((dirty, True), (clean, False), (True, True), (False, False)):
         out = c.backend.select(flag, tree(old_h), tree(new_h))
         want = old_h if skip else new_h
@@ -448,8 +464,8 @@ def _check_select(c: _Check) -> None:
 def _check_flags(c: _Check) -> None:
     """``any`` ORs flags (none: false), ``to_bool`` reads them; others: GradientTypeError."""
     backend = c.backend
-    dirty = backend.find_non_finite([c.array(np.array([np.nan], np.float32))])
-    clean = backend.find_non_finite([c.array(np.ones(1, np.float32))])
+    dirty = _ops.find_non_finite(backend, [c.array(np.array([np.nan], np.float32))])
+    clean = _ops.find_non_finite(backend, [c.array(np.ones(1, np.float32))])
     cases = {
         "any()": (backend.any(), False),
         "any(clean, dirty)": (backend.any(clean, dirty), True),
@@ -469,8 +485,8 @@ def _check_flags(c: _Check) -> None:
 def _check_update(c: _Check) -> None:
     """One transition equal to the host rule; a refused step raises or is recorded."""
     backend = c.backend
-    dirty = backend.find_non_finite([c.array(np.array([np.inf], np.float32))])
-    clean = backend.find_non_finite([c.array(np.ones(1, np.float32))])
+    dirty = _ops.find_non_finite(backend, [c.array(np.array([np.inf], np.float32))])
+    clean = _ops.find_non_finite(backend, [c.array(np.ones(1, np.float32))])
     state = init(ScalerConfig(growth_interval=1, hysteresis=2))
     for flag, found in ((dirty, True), (clean, False), (True, True), (False, False)):
         got = backend.update(state, flag)
@@ -521,13 +537,13 @@ def _check_norm_and_clip(c: _Check) -> None:
         host = _values(dtype, 1024.0, 37, seed=900 + i)
         want = _unscaled(host, 1024.0)
         exact = _exact_norm([want])
-        out, found, norm = c.backend.unscale_norm([c.array(host.copy())], 1024.0)
+        out, found, norm = c.unscale_norm([c.array(host.copy())], 1024.0)
         if not _same_bits(c.host(out[0]), want):
             raise c.fail(f"unscale_norm of {dtype} did not store unscale()'s values")
         got = float(c.host(norm))
         if c.flag(found, "unscale_norm()") or abs(got - exact) > 1e-6 * exact:
             raise c.fail(f"unscale_norm of {dtype} gave norm {got!r}, the exact one is {exact!r}")
-        out, found, norm = c.backend.unscale_clip([c.array(host.copy())], 1024.0, 1.0)
+        out, found, norm = c.unscale_clip([c.array(host.copy())], 1024.0, 1.0)
         coef = _coefficient(float(c.host(norm)), 1.0)
         if c.flag(found, "unscale_clip()") or not _same_bits(c.host(out[0]), _clipped(want, coef)):
             raise c.fail(f"unscale_clip of {dtype} did not store the unscaled values times {coef}")
@@ -535,12 +551,12 @@ def _check_norm_and_clip(c: _Check) -> None:
         bad[3] = np.nan
         for reduce, grads in ((None, bad), (lambda f: c.backend.any(f, True), host)):
             given = [c.array(grads.copy())]
-            out, found, norm = c.backend.unscale_clip(given, 1024.0, 1.0, reduce)
+            out, found, norm = c.unscale_clip(given, 1024.0, 1.0, reduce)
             if not c.flag(found, "unscale_clip()"):
                 raise c.fail(f"unscale_clip of {dtype} did not report the skip")
             if not (_same_bits(c.host(out[0]), grads) and _same_bits(c.host(given[0]), grads)):
                 raise c.fail(f"unscale_clip of {dtype} wrote to the gradients of a skipped step")
-        if math.isfinite(float(c.host(c.backend.unscale_norm([c.array(bad.copy())], 1024.0)[2]))):
+        if math.isfinite(float(c.host(c.unscale_norm([c.array(bad.copy())], 1024.0)[2]))):
             raise c.fail(f"unscale_norm of {dtype} with a NaN gave a finite norm")
     given = [c.array(_values(c.subject.dtypes[-1], 2.0, 5, seed=7))]
     before = c.host(given[0])
@@ -548,7 +564,7 @@ def _check_norm_and_clip(c: _Check) -> None:
     for max_norm in bad_norms:
         c.raises(
             InvalidArgumentError,
-            functools.partial(c.backend.unscale_clip, given, 2.0, max_norm),
+            functools.partial(c.unscale_clip, given, 2.0, max_norm),
             f"unscale_clip(max_norm={max_norm!r})",
             "max_norm",
         )

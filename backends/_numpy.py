@@ -124,7 +124,7 @@ class NumpyBackend(NumpyReferenceBackend):
     >>> backend.path in ("numba", "numpy")
     True
     >>> g = [np.array([2.0, 4.0], np.float32), np.array([np.inf], np.float16)]
-    >>> _, found = backend.unscale(g, 2.0)
+    >>> _, found = backend.unscale(backend.leaves(g, writable=True), 2.0)
     >>> g[0].tolist(), bool(found)
     ([1.0, 2.0], True)
     """

@@ -207,7 +207,7 @@ def missing_members(obj: object) -> list[str]:
     is accepted or refused the same on every version ``requires-python`` allows.
 
     >>> missing_members(get_backend("numpy")), missing_members(object())[:2]
-    ([], ['any', 'find_non_finite'])
+    ([], ['any', 'leaves'])
     """
     missing = []
     for member in BACKEND_MEMBERS:

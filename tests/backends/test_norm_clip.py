@@ -20,7 +20,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import scaler_core as sc
-from scaler_core.backends._common import clip_coefficient
+from scaler_core import _ops
 from scaler_core.backends._numpy import REFERENCE, NumpyBackend
 from scaler_core.backends._numpy_reference import clip_in_place, unscaled_copy
 
@@ -30,6 +30,12 @@ PATHS = {
     "numpy": lambda: NumpyBackend(use_numba=False),
     "reference": lambda: REFERENCE,
 }
+
+
+def _coefficient(norm: Any, max_norm: float) -> np.float32:
+    """The core's clip coefficient of a host norm, as a NumPy float32."""
+    with np.errstate(all="ignore"):
+        return np.float32(_ops.clip_coefficient(np, np.float32(norm), max_norm))
 
 
 def _backend(name: str) -> Any:
@@ -79,9 +85,9 @@ def test_unscale_norm_writes_what_unscale_writes_and_the_norm_is_exact(
     backend = _backend(path)
     scale = 2.0**power
     want = _copy(tree)
-    REFERENCE.unscale(want, scale)
+    _ops.unscale(REFERENCE, want, scale)
     got = _copy(tree)
-    _, found, norm = backend.unscale_norm(got, scale)
+    _, found, norm = _ops.unscale_norm(backend, got, scale)
     assert all(np.array_equal(g, w) for g, w in zip(got, want, strict=True))
     assert not found
     assert type(norm) is np.float32
@@ -98,11 +104,11 @@ def test_clip_stores_the_unscaled_value_times_pytorchs_coefficient(
     scale = 2.0**power + (0.5 if power > 2 else 0.0)  # not only powers of two
     inv = np.float32(1.0) / np.float32(scale)
     got = _copy(tree)
-    _, found, norm = backend.unscale_clip(got, scale, max_norm)
+    _, found, norm = _ops.unscale_clip(backend, got, scale, max_norm)
     assert not found
     unscaled = [unscaled_copy(a, float(inv)) for a in tree]
     assert _ulps(float(norm), _exact_norm(unscaled)) <= 1
-    coef = clip_coefficient(norm, max_norm)
+    coef = _coefficient(norm, max_norm)
     for g, original, u in zip(got, tree, unscaled, strict=True):
         want = original.copy(order="K")
         clip_in_place(want, u, coef)
@@ -113,7 +119,7 @@ def test_clip_stores_the_unscaled_value_times_pytorchs_coefficient(
 def test_the_norm_is_the_same_on_every_numpy_path(path: str) -> None:
     rng = np.random.default_rng(3)
     tree = [rng.standard_normal(n).astype(np.float32) for n in (300_001, 5, 131_072, 64)]
-    norms = {name: _backend(name).unscale_norm(_copy(tree), 8.0)[2] for name in PATHS}
+    norms = {name: _ops.unscale_norm(_backend(name), _copy(tree), 8.0)[2] for name in PATHS}
     mine = norms[path]
     assert all(_ulps(float(mine), float(n)) <= 1 for n in norms.values())
 
@@ -125,7 +131,7 @@ def test_a_skipped_step_writes_nothing(path: str, dtype: Any) -> None:
     tree = [np.linspace(-3, 3, 1000).astype(dtype), np.ones(40, dtype)]
     tree[1][7] = np.inf
     before = [a.tobytes() for a in tree]
-    _, found, norm = backend.unscale_clip(tree, 4.0, 0.5)
+    _, found, norm = _ops.unscale_clip(backend, tree, 4.0, 0.5)
     assert found
     assert not math.isfinite(float(norm))
     assert [a.tobytes() for a in tree] == before
@@ -141,7 +147,7 @@ def test_reduce_decides_and_a_skip_it_demands_writes_nothing(path: str) -> None:
         seen.append(bool(found))
         return np.bool_(True)  # another replica overflowed
 
-    _, found, _ = backend.unscale_clip(tree, 2.0, 1.0, reduce)
+    _, found, _ = _ops.unscale_clip(backend, tree, 2.0, 1.0, reduce)
     assert seen == [False]
     assert bool(found)
     assert np.all(tree[0] == 3.0)
@@ -152,7 +158,7 @@ def test_reduce_decides_and_a_skip_it_demands_writes_nothing(path: str) -> None:
 def test_a_bad_max_norm_is_refused_before_anything_changes(path: str, bad: Any) -> None:
     tree = [np.full(10, 4.0, np.float32)]
     with pytest.raises(sc.InvalidArgumentError, match="max_norm="):
-        _backend(path).unscale_clip(tree, 2.0, bad)
+        _ops.unscale_clip(_backend(path), tree, 2.0, bad)
     assert np.all(tree[0] == 4.0)
 
 
@@ -175,7 +181,7 @@ def test_the_coefficient_is_pytorchs_bit_for_bit() -> None:
         norm = np.float32(math.exp(rng.uniform(-20, 20)))
         max_norm = float(math.exp(rng.uniform(-10, 10)))
         theirs = torch.clamp(max_norm / (torch.tensor(norm) + 1e-6), max=1.0).item()
-        assert np.float32(theirs) == clip_coefficient(norm, max_norm)
+        assert np.float32(theirs) == _coefficient(norm, max_norm)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
@@ -201,7 +207,7 @@ def test_unscale_and_clip_equals_pytorchs_unscale_then_clip_grad_norm(dtype: str
     inv = float(np.float32(1.0) / np.float32(1024.0))
     for p, v in zip(params, values, strict=True):
         want = v.copy()
-        clip_in_place(want, unscaled_copy(v, inv), clip_coefficient(total.item(), 2.0))
+        clip_in_place(want, unscaled_copy(v, inv), _coefficient(total.item(), 2.0))
         if dtype == "float32":
             assert np.array_equal(p.grad.numpy(), want)
         else:  # PyTorch's coefficient is float64 for float64 gradients, ours float32
@@ -226,7 +232,7 @@ def test_jax_norm_clip_and_skip() -> None:
     exact = _exact_norm(unscaled)
     assert not bool(found)
     assert float(norm) == pytest.approx(exact, rel=4e-7)  # float32 sums without x64
-    coef = clip_coefficient(norm, 1.0)
+    coef = _coefficient(norm, 1.0)
     want = unscaled[0].copy()
     clip_in_place(want, unscaled[0], coef)
     assert np.array_equal(np.asarray(out["a"]), want)

@@ -22,7 +22,13 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from scaler_core import GradientTypeError, GradientValueError, InvalidArgumentError, get_backend
+from scaler_core import (
+    GradientTypeError,
+    GradientValueError,
+    InvalidArgumentError,
+    _ops,
+    get_backend,
+)
 from scaler_core.backends import _numpy as fused
 from scaler_core.backends import _plans as plans
 from scaler_core.backends._numpy_reference import NumpyReferenceBackend
@@ -195,18 +201,18 @@ def test_unscale_matches_reference(
     expected, actual = clone(grads), clone(grads)
     assert_same(expected, grads)
     with np.errstate(all="ignore"):  # the reference warns on overflow; the flag is the answer
-        _, want = REFERENCE.unscale(expected, scale)
+        _, want = _ops.unscale(REFERENCE, expected, scale)
     backend = fused.NumpyBackend(use_numba=use_numba)
     with tuned(chunk, parallel):
-        _, got = backend.unscale(actual, scale)
+        _, got = _ops.unscale(backend, actual, scale)
     assert isinstance(got, np.bool_)
     assert got == want
     assert_same(actual, expected)
     # The same set again: a cached plan (numba path, 32+ arrays) gives the same bits.
     with np.errstate(all="ignore"):
-        _, want = REFERENCE.unscale(expected, scale)
+        _, want = _ops.unscale(REFERENCE, expected, scale)
     with tuned(chunk, parallel):
-        _, got = backend.unscale(actual, scale)
+        _, got = _ops.unscale(backend, actual, scale)
     assert got == want
     assert_same(actual, expected)
 
@@ -218,9 +224,9 @@ def test_find_non_finite_matches_reference_and_reads_only(
 ) -> None:
     before = clone(grads)
     with tuned(chunk, parallel):
-        got = fused.NumpyBackend(use_numba=use_numba).find_non_finite(grads)
+        got = _ops.find_non_finite(fused.NumpyBackend(use_numba=use_numba), grads)
     assert isinstance(got, np.bool_)
-    assert got == REFERENCE.find_non_finite(grads)
+    assert got == _ops.find_non_finite(REFERENCE, grads)
     assert_same(grads, before)
 
 
@@ -237,10 +243,10 @@ def test_one_inf_among_many_arrays_is_found(
     expected = clone(grads)
     backend = fused.NumpyBackend(use_numba=use_numba)
     with tuned(chunk, parallel):
-        assert backend.find_non_finite(grads)
-        _, found = backend.unscale(grads, 4.0)
+        assert _ops.find_non_finite(backend, grads)
+        _, found = _ops.unscale(backend, grads, 4.0)
     assert found
-    REFERENCE.unscale(expected, 4.0)
+    _ops.unscale(REFERENCE, expected, 4.0)
     assert_same(grads, expected)
 
 
@@ -267,11 +273,11 @@ def test_parallel_detection_stops_after_the_batch_with_the_hit(
     item = grads[0].nbytes
     with tuned(item, 0):  # every array one work item, always parallel
         monkeypatch.setattr(fused, "_DETECT_BATCH_BYTES", 12 * item)  # 12 items a batch
-        assert backend.find_non_finite(grads)
+        assert _ops.find_non_finite(backend, grads)
         assert calls == [12, 12, 12, 4][:batches_run]
         calls.clear()
         grads[where][7] = 1.0
-        assert not backend.find_non_finite(grads)
+        assert not _ops.find_non_finite(backend, grads)
         assert calls == [12, 12, 12, 4]  # a clean set is read whole
 
 
@@ -283,7 +289,7 @@ def test_unscale_overflow_created_by_unscaling_is_found(
     top = float(finfo_of(dtype).max)
     grads = [np.full(5, top / 2, dtype=dtype), np.ones(3, dtype)]
     with tuned(chunk, parallel):
-        _, found = fused.NumpyBackend(use_numba=use_numba).unscale(grads, 0.25)
+        _, found = _ops.unscale(fused.NumpyBackend(use_numba=use_numba), grads, 0.25)
     assert found
     assert np.isinf(grads[0]).all()
 
@@ -302,21 +308,21 @@ def test_cached_plan_follows_new_values_and_replaced_arrays(
 def _cached_plan_follows_new_values_and_replaced_arrays(use_numba: bool) -> None:
     backend = fused.NumpyBackend(use_numba=use_numba)
     grads = [np.full(16, 2.0, np.float32) for _ in range(64)]
-    _, found = backend.unscale(grads, 2.0)
+    _, found = _ops.unscale(backend, grads, 2.0)
     assert not found
     assert all((g == 1.0).all() for g in grads)
     grads[10][3] = np.nan  # same arrays, new values: the cached plan still applies
-    _, found = backend.unscale(grads, 2.0)
+    _, found = _ops.unscale(backend, grads, 2.0)
     assert found
     assert np.isnan(grads[10][3])
     assert grads[11][0] == 0.5
     grads[10] = np.full(16, 8.0, np.float32)  # a replaced array: a new plan
-    _, found = backend.unscale(grads, 2.0)
+    _, found = _ops.unscale(backend, grads, 2.0)
     assert not found
     assert (grads[10] == 4.0).all()
     assert grads[11][0] == 0.25
     wrapped = {f"w{i}": g for i, g in enumerate(grads)}
-    _, found = backend.unscale(wrapped, 0.5)
+    _, found = _ops.unscale(backend, wrapped, 0.5)
     assert not found
     assert (grads[10] == 8.0).all()
     if not use_numba:  # the pure-NumPy path validates every call and caches nothing
@@ -350,10 +356,10 @@ def test_a_set_seen_before_is_recognised_without_a_check_per_array(
     backend = fused.NumpyBackend(use_numba=True)
     arrays = [np.full(8, 4.0, np.float32) for _ in range(40)]
     first = kind(arrays)
-    backend.unscale(first, 2.0)
+    _ops.unscale(backend, first, 2.0)
     (plan,) = backend._cache.plans.values()
-    backend.unscale(first, 2.0)  # the same container
-    backend.unscale(kind(arrays), 0.5)  # a new container of the same arrays
+    _ops.unscale(backend, first, 2.0)  # the same container
+    _ops.unscale(backend, kind(arrays), 0.5)  # a new container of the same arrays
     assert backend._cache.plans[next(iter(backend._cache.plans))] is plan
     assert is_calls == []  # recognised by one container comparison, not 40 checks
     assert all((a == 2.0).all() for a in arrays)  # 4 / 2 / 2 * 2
@@ -368,11 +374,11 @@ def test_an_equal_but_new_array_is_not_taken_for_the_cached_one(
     backend = fused.NumpyBackend(use_numba=use_numba)
     arrays: list[Any] = [np.full(size, 4.0, np.float32) for _ in range(40)]
     arrays[7] = None
-    backend.unscale(kind(arrays), 2.0)
+    _ops.unscale(backend, kind(arrays), 2.0)
     old, new = arrays[20], arrays[20].copy()  # equal values, another array
     arrays[20] = new
     arrays[7] = np.full(size, 2.0, np.float32)  # a None child that became an array
-    backend.unscale(kind(arrays), 0.5)
+    _ops.unscale(backend, kind(arrays), 0.5)
     assert (old == 2.0).all()  # the replaced array is not touched again
     assert (new == 4.0).all()
     assert (arrays[7] == 4.0).all()
@@ -392,10 +398,10 @@ def test_an_object_claiming_equality_in_a_cached_set_still_raises(use_numba: boo
 
     backend = fused.NumpyBackend(use_numba=use_numba)
     arrays: list[Any] = [np.full(8, 4.0, np.float32) for _ in range(40)]
-    backend.unscale(arrays, 2.0)
+    _ops.unscale(backend, arrays, 2.0)
     arrays[5] = EqualToAnything()
     with pytest.raises(GradientTypeError, match=r"grads\[5\] is a .*EqualToAnything"):
-        backend.unscale(arrays, 2.0)
+        _ops.unscale(backend, arrays, 2.0)
     assert all((a == 2.0).all() for i, a in enumerate(arrays) if i != 5)
 
 
@@ -406,8 +412,8 @@ def test_before_numpy_2_2_every_array_is_checked(
     monkeypatch.setattr(plans, "_EQ_RAISES", False)  # comparisons might only warn
     backend = fused.NumpyBackend(use_numba=True)
     arrays = [np.full(8, 4.0, np.float32) for _ in range(40)]
-    backend.unscale(arrays, 2.0)
-    backend.unscale(list(arrays), 2.0)
+    _ops.unscale(backend, arrays, 2.0)
+    _ops.unscale(backend, list(arrays), 2.0)
     assert len(is_calls) == 40
     assert all((a == 1.0).all() for a in arrays)
 
@@ -417,9 +423,9 @@ def test_cached_plan_does_not_skip_validation_of_a_read_only_set(use_numba: bool
     backend = fused.NumpyBackend(use_numba=use_numba)
     grads = [np.ones(4, np.float32) for _ in range(40)]
     grads[5].flags.writeable = False
-    assert not backend.find_non_finite(grads)  # caches a read-only plan
+    assert not _ops.find_non_finite(backend, grads)  # caches a read-only plan
     with pytest.raises(GradientValueError, match=r"grads\[5\] is read-only"):
-        backend.unscale(grads, 2.0)
+        _ops.unscale(backend, grads, 2.0)
     assert all((g == 1.0).all() for g in grads)
 
 
@@ -429,8 +435,8 @@ def test_overlapping_arrays_match_the_reference(use_numba: bool) -> None:
     other = base.copy()
     grads = [base[:30], base[10:], base[::3]]
     expected = [other[:30], other[10:], other[::3]]
-    _, found = fused.NumpyBackend(use_numba=use_numba).unscale(grads, 2.0)
-    _, want = REFERENCE.unscale(expected, 2.0)
+    _, found = _ops.unscale(fused.NumpyBackend(use_numba=use_numba), grads, 2.0)
+    _, want = _ops.unscale(REFERENCE, expected, 2.0)
     assert found == want
     np.testing.assert_array_equal(base, other)
 
@@ -445,10 +451,10 @@ def test_bad_leaf_raises_before_anything_is_modified(use_numba: bool, count: int
     grads: list[Any] = [np.full(8, 2.0, np.float32) for _ in range(count)]
     grads.append(np.ones(3, np.int32))
     with pytest.raises(GradientTypeError, match=rf"grads\[{count}\] has dtype int32"):
-        backend.unscale(grads, 2.0)
+        _ops.unscale(backend, grads, 2.0)
     assert all((g == 2.0).all() for g in grads[:count])
     with pytest.raises(GradientValueError, match=r"scale=0\.0"):
-        backend.unscale(grads[:count], 0.0)
+        _ops.unscale(backend, grads[:count], 0.0)
     assert all((g == 2.0).all() for g in grads[:count])
 
 
@@ -505,15 +511,15 @@ _PATHS = [pytest.param(True, id="numba", marks=needs_numba), pytest.param(False,
 def _cached_set(backend: Any, n: int = 40) -> list[np.ndarray]:
     """A set the backend has cached (seen once before)."""
     grads = [np.full(1024, 2.0, np.float32) for _ in range(n)]
-    backend.unscale(grads, 2.0)
-    backend.find_non_finite(grads)
+    _ops.unscale(backend, grads, 2.0)
+    _ops.find_non_finite(backend, grads)
     return grads
 
 
 def _same_as_reference(backend: Any, grads: list[np.ndarray], scale: float) -> None:
     expected = [g.copy() for g in grads]
-    _, want = REFERENCE.unscale(expected, scale)
-    _, got = backend.unscale(grads, scale)
+    _, want = _ops.unscale(REFERENCE, expected, scale)
+    _, got = _ops.unscale(backend, grads, scale)
     assert bool(got) == bool(want)
     for g, e in zip(grads, expected, strict=True):
         assert g.dtype == e.dtype
@@ -539,10 +545,13 @@ def test_an_array_retyped_in_place_in_a_cached_set(use_numba: bool) -> None:
     grads = _cached_set(backend)
     grads[7].dtype = np.float16  # the same bytes, read as twice as many float16
     grads[7][100] = np.inf
-    assert bool(backend.find_non_finite(grads)) is True
+    assert bool(_ops.find_non_finite(backend, grads)) is True
     _same_as_reference(backend, grads, 2.0)
     grads[9].dtype = np.int32
-    for call in (lambda: backend.unscale(grads, 2.0), lambda: backend.find_non_finite(grads)):
+    for call in (
+        lambda: _ops.unscale(backend, grads, 2.0),
+        lambda: _ops.find_non_finite(backend, grads),
+    ):
         with pytest.raises(GradientTypeError, match=r"grads\[9\] has dtype int32"):
             call()
 
@@ -554,9 +563,9 @@ def test_an_array_made_read_only_in_a_cached_set(use_numba: bool) -> None:
     grads[3].flags.writeable = False
     before = [g.copy() for g in grads]
     with pytest.raises(GradientValueError, match=r"grads\[3\] is read-only"):
-        backend.unscale(grads, 2.0)
+        _ops.unscale(backend, grads, 2.0)
     assert all(g.tobytes() == b.tobytes() for g, b in zip(grads, before, strict=True))
-    assert not bool(backend.find_non_finite(grads))  # reading a read-only array is fine
+    assert not bool(_ops.find_non_finite(backend, grads))  # reading a read-only array is fine
 
 
 @pytest.mark.parametrize("use_numba", _PATHS)
@@ -576,7 +585,7 @@ def test_without_a_trusted_header_layout_no_plan_is_cached(monkeypatch: pytest.M
     assert not backend._cache.plans  # every call validates and plans again
     grads[9].dtype = np.int32
     with pytest.raises(GradientTypeError, match=r"grads\[9\] has dtype int32"):
-        backend.unscale(grads, 2.0)
+        _ops.unscale(backend, grads, 2.0)
 
 
 @needs_numba
@@ -592,6 +601,7 @@ _CONCURRENT = """
 import sys, threading
 import numba, numpy as np
 import scaler_core as sc
+from scaler_core import _ops
 
 backend = sc.get_backend("numpy")
 sets = [[np.full(1 << 18, 2.0, np.float32) for _ in range(8)] for _ in range(2)]  # 8 MiB
@@ -600,9 +610,9 @@ errors = []
 def work(grads):
     try:
         for _ in range(30):
-            backend.unscale(grads, 2.0)
-            backend.unscale(grads, 0.5)
-            backend.find_non_finite(grads)
+            _ops.unscale(backend, grads, 2.0)
+            _ops.unscale(backend, grads, 0.5)
+            _ops.find_non_finite(backend, grads)
     except Exception as exc:
         errors.append(exc)
 
@@ -638,6 +648,7 @@ _FORKED = """
 import multiprocessing, os, sys
 import numpy as np
 import scaler_core as sc
+from scaler_core import _ops
 from scaler_core.backends import _numpy
 
 backend = sc.get_backend("numpy")
@@ -647,11 +658,11 @@ def big():
 
 def child_step(_):
     grads = big()
-    backend.unscale(grads, 0.5)
-    return all((g == 4.0).all() for g in grads) and not backend.find_non_finite(grads)
+    _ops.unscale(backend, grads, 0.5)
+    return all((g == 4.0).all() for g in grads) and not _ops.find_non_finite(backend, grads)
 
 grads = big()
-backend.unscale(grads, 2.0)  # the parent's threads start
+_ops.unscale(backend, grads, 2.0)  # the parent's threads start
 assert _numpy._THREADS_PID[0] == os.getpid()
 pid = os.fork()
 if pid == 0:
@@ -660,7 +671,7 @@ _, status = os.waitpid(pid, 0)
 assert os.waitstatus_to_exitcode(status) == 0, f"the forked child ended with {status}"
 with multiprocessing.get_context("fork").Pool(2) as pool:
     assert all(pool.map(child_step, range(4)))
-backend.unscale(grads, 0.5)  # the parent still runs on its threads
+_ops.unscale(backend, grads, 0.5)  # the parent still runs on its threads
 assert _numpy._THREADS_PID[0] == os.getpid()
 print("ok")
 """
@@ -685,17 +696,18 @@ def test_a_child_forked_after_the_threads_started_still_unscales() -> None:
 _FLUSHING = """
 import numpy as np, torch
 import scaler_core as sc
+from scaler_core import _ops
 from scaler_core.backends._numpy_reference import NumpyReferenceBackend
 
 backend, reference = sc.get_backend("numpy"), NumpyReferenceBackend()
-backend.unscale([np.ones(1 << 22, np.float32)], 2.0)  # the threads start (16 MiB)
+_ops.unscale(backend, [np.ones(1 << 22, np.float32)], 2.0)  # the threads start (16 MiB)
 assert torch.set_flush_denormal(True)  # the caller flushes subnormals from now on
 rng = np.random.default_rng(0)
 for n in (10 << 18, 1000):  # 10 MiB (would run on the threads) and a small set
     host = (rng.standard_normal(n) * 1e-35).astype(np.float32)  # / 2**16: subnormal
     fast, ref = [host.copy()], [host.copy()]
-    backend.unscale(fast, 2.0**16)
-    reference.unscale(ref, 2.0**16)
+    _ops.unscale(backend, fast, 2.0**16)
+    _ops.unscale(reference, ref, 2.0**16)
     assert (ref[0] == 0).sum() > n // 4, "the reference did not flush"
     assert fast[0].tobytes() == ref[0].tobytes(), n
 print("ok")
@@ -767,13 +779,13 @@ def test_torch_cpu_clip_without_numba_runs_pytorchs_kernels_with_the_same_bits(
     for seed in range(3):
         tensors = _torch_tree(torch, seed, _TORCH_DTYPES, sizes)
         hosts = [_host(t) for t in tensors]
-        _, found, norm = TORCH.unscale_clip(tensors, scale, max_norm)
+        _, found, norm = _ops.unscale_clip(TORCH, tensors, scale, max_norm)
         want = {"reference": REFERENCE}
         if HAVE_NUMBA:
             want["numba"] = fused.NumpyBackend(use_numba=True)
         for name, backend in want.items():
             copies = [h.copy() for h in hosts]
-            _, w_found, w_norm = backend.unscale_clip(copies, scale, max_norm)
+            _, w_found, w_norm = _ops.unscale_clip(backend, copies, scale, max_norm)
             assert bool(found) == bool(w_found), name
             assert np.float32(norm).tobytes() == np.float32(w_norm).tobytes(), (name, norm, w_norm)
             assert _bits([_host(t) for t in tensors]) == _bits(copies), name
@@ -806,8 +818,8 @@ def test_torch_cpu_clip_without_numba_regathers_small_tensors_beyond_the_hold(
         for i, n in enumerate(sizes)
     ]
     hosts = [_host(t) for t in tensors]
-    _, found, norm = TORCH.unscale_clip(tensors, scale, 1.0)
-    _, w_found, w_norm = REFERENCE.unscale_clip(hosts, scale, 1.0)
+    _, found, norm = _ops.unscale_clip(TORCH, tensors, scale, 1.0)
+    _, w_found, w_norm = _ops.unscale_clip(REFERENCE, hosts, scale, 1.0)
     assert not found  # a step: the write ran
     assert held == [None] * 4  # every dtype's small tensors were beyond the hold
     assert bool(found) == bool(w_found)
@@ -828,15 +840,15 @@ def test_torch_cpu_clip_without_numba_writes_nothing_on_a_skip(
         tensors = _torch_tree(torch, 5, dtypes, (1000, 300_001, 3, 64))
         tensors[2][1] = bad
         hosts = [_host(t) for t in tensors]
-        _, found, norm = TORCH.unscale_clip(tensors, 1024.0, 1.0)
-        _, w_found, w_norm = REFERENCE.unscale_clip([h.copy() for h in hosts], 1024.0, 1.0)
+        _, found, norm = _ops.unscale_clip(TORCH, tensors, 1024.0, 1.0)
+        _, w_found, w_norm = _ops.unscale_clip(REFERENCE, [h.copy() for h in hosts], 1024.0, 1.0)
         assert bool(found)
         assert bool(w_found)
         assert np.isnan(float(norm)) == np.isnan(float(w_norm))
         assert _bits([_host(t) for t in tensors]) == _bits(hosts)
     # an overflow made by the unscale itself (a scale below 1) is found, nothing written
     big = [torch.full((10,), 3e38)]
-    _, found, _ = TORCH.unscale_clip(big, 0.5, 1.0)
+    _, found, _ = _ops.unscale_clip(TORCH, big, 0.5, 1.0)
     assert bool(found)
     assert big[0][0].item() == pytest.approx(3e38)
 
@@ -855,8 +867,8 @@ def test_torch_cpu_clip_without_numba_leaves_shared_and_strided_tensors_to_numpy
     for tensors in ([base[:30], base[20:]], [base.view(8, 5).t()]):
         assert _torch_host.plan(tensors) is None
         copies = [np.array(t.numpy()) for t in tensors]
-        _, _, norm = TORCH.unscale_clip(tensors, 64.0, 1.0)
-        _, _, w_norm = REFERENCE.unscale_clip(copies, 64.0, 1.0)
+        _, _, norm = _ops.unscale_clip(TORCH, tensors, 64.0, 1.0)
+        _, _, w_norm = _ops.unscale_clip(REFERENCE, copies, 64.0, 1.0)
         assert float(norm) == float(w_norm)
 
 
@@ -878,8 +890,8 @@ def test_torch_cpu_clip_without_numba_at_the_edges_of_the_range(
     values = rng.standard_normal(200_000) * magnitude
     tensors = [torch.from_numpy(values.astype(dtype)), torch.from_numpy(values[:77].astype(dtype))]
     hosts = [_host(t) for t in tensors]
-    _, found, norm = TORCH.unscale_clip(tensors, 2.0**16, 1e-30)
-    _, w_found, w_norm = REFERENCE.unscale_clip(hosts, 2.0**16, 1e-30)
+    _, found, norm = _ops.unscale_clip(TORCH, tensors, 2.0**16, 1e-30)
+    _, w_found, w_norm = _ops.unscale_clip(REFERENCE, hosts, 2.0**16, 1e-30)
     assert bool(found) == bool(w_found)
     assert np.float32(norm).tobytes() == np.float32(w_norm).tobytes()
     assert _bits([_host(t) for t in tensors]) == _bits(hosts)
@@ -929,11 +941,11 @@ def test_torch_cpu_route_reads_addresses_and_keeps_the_bits(
             hosts = [_host(t.resolve_neg()) for t in tensors]
             viewed.clear()
             if op == "clip":
-                _, found, norm = TORCH.unscale_clip(tensors, scale, max_norm)
-                _, w_found, w_norm = REFERENCE.unscale_clip(hosts, scale, max_norm)
+                _, found, norm = _ops.unscale_clip(TORCH, tensors, scale, max_norm)
+                _, w_found, w_norm = _ops.unscale_clip(REFERENCE, hosts, scale, max_norm)
             else:
-                _, found, norm = TORCH.unscale_norm(tensors, scale)
-                _, w_found, w_norm = REFERENCE.unscale_norm(hosts, scale)
+                _, found, norm = _ops.unscale_norm(TORCH, tensors, scale)
+                _, w_found, w_norm = _ops.unscale_norm(REFERENCE, hosts, scale)
             assert bool(found) == bool(w_found)
             assert np.float32(norm).tobytes() == np.float32(w_norm).tobytes(), (op, norm, w_norm)
             assert _bits([_host(t.resolve_neg()) for t in tensors]) == _bits(hosts), op
@@ -962,8 +974,8 @@ def test_torch_cpu_route_with_numba_leaves_overlapping_tensors_to_the_reference(
         [], {np.dtype(np.float32): ([t.data_ptr() for t in tensors], [30, 20])}, tensors
     ).aliased
     copy = base.numpy().copy()
-    _, _, norm = TORCH.unscale_clip(tensors, 64.0, 1.0)
-    _, _, w_norm = REFERENCE.unscale_clip([copy[:30], copy[20:]], 64.0, 1.0)
+    _, _, norm = _ops.unscale_clip(TORCH, tensors, 64.0, 1.0)
+    _, _, w_norm = _ops.unscale_clip(REFERENCE, [copy[:30], copy[20:]], 64.0, 1.0)
     assert float(norm) == float(w_norm)
     assert base.numpy().tobytes() == copy.tobytes()
 

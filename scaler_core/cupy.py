@@ -13,17 +13,22 @@ The same two names exist in :mod:`scaler_core.jax` (axis names) and
 
 from __future__ import annotations
 
+import contextlib
+import functools
+import warnings
 from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
 from ._backend import get_backend
-from ._state import ScalerState
+from ._errors import InvalidArgumentError
+from ._state import ScalerState, convert_fields
 
 __all__ = ["found_reducer", "reduce_found", "to_device"]
 
 
 def _cupy_backend() -> ModuleType:
+    """The CuPy backend's module, once CuPy and a GPU are known to be there."""
     get_backend("cupy")  # a clear BackendUnavailableError without CuPy or a GPU
     from .backends import _cupy  # noqa: PLC0415 - CuPy loads only when asked for
 
@@ -33,10 +38,12 @@ def _cupy_backend() -> ModuleType:
 def to_device(state: ScalerState, device: int | None = None) -> ScalerState:
     """``state`` with every field a 0-d CuPy array (float32 scale, int32 counters).
 
-    From then on :func:`scaler_core.update` with a CuPy flag keeps the state on
-    the GPU with no host synchronisation. Nothing is read back: a recorded
-    failure moves with the state and raises at the first host-side look
-    (``state.check()``, ``current_scale()``, ``to_dict``).
+    Use it once before the training loop: from then on :func:`scaler_core.update`
+    with a CuPy flag keeps the state on the GPU with no host synchronisation.
+    Nothing is read back: a recorded failure moves with the state and raises at
+    the first host-side look (``state.check()``, ``current_scale()``, ``to_dict``).
+    The fields are made by fill kernels (and device-to-device copies from another
+    GPU), never copied from the host, as the backend's device transition makes them.
 
     Args:
         state: A host or device state.
@@ -46,26 +53,47 @@ def to_device(state: ScalerState, device: int | None = None) -> ScalerState:
         BackendUnavailableError: CuPy or a GPU is missing.
         InvalidArgumentError: ``state`` is not a :class:`~scaler_core.ScalerState`.
     """
-    return _cupy_backend().to_device(state, device)  # type: ignore[no-any-return]
+    lib = _cupy_backend()
+    cupy = lib.cupy
+
+    def here(value: Any) -> Any:
+        """A CuPy array moved to the current device if it lives on another."""
+        if isinstance(value, cupy.ndarray) and value.device.id != cupy.cuda.runtime.getDevice():
+            return cupy.array(value, copy=True)  # allocated on the current device
+        return value
+
+    with contextlib.nullcontext() if device is None else cupy.cuda.Device(device):
+        return convert_fields(
+            state,
+            lambda v: lib._XP.asarray(here(v), dtype=cupy.float32),
+            lambda v: lib._XP.asarray(here(v), dtype=cupy.int32),
+        )
 
 
 def reduce_found(found: Any, comm: Any, *, stream: Any = None) -> Any:
     """The OR of ``found`` across the ranks of an NCCL communicator (a 0-d device bool).
 
-    One 1-byte all-reduce (max) on the stream, no host read, so every rank takes
-    the same skip decision. Every rank calls it once per step, before
-    :func:`scaler_core.update`.
+    One 1-byte all-reduce (max) enqueued on the stream, no host read, so every
+    rank gets the same flag and takes the same skip decision. Every rank calls it
+    once per step, before :func:`scaler_core.update`.
 
     Args:
-        found: This rank's flag.
-        comm: A ``cupy.cuda.nccl.NcclCommunicator``.
+        found: This rank's flag (a 0-d CuPy bool array, or a host bool).
+        comm: A ``cupy.cuda.nccl.NcclCommunicator`` (anything with its
+            ``allReduce(sendbuf, recvbuf, count, datatype, op, stream)``).
         stream: A ``cupy.cuda.Stream``; the current stream when omitted.
+
+    Returns:
+        A 0-d CuPy bool array, the same on every rank.
 
     Raises:
         BackendUnavailableError: CuPy or a GPU is missing.
         InvalidArgumentError: ``comm`` or ``stream`` is not what CuPy's NCCL needs.
+        GradientTypeError: ``found`` is not a flag.
     """
-    return _cupy_backend().reduce_found(found, comm, stream=stream)
+    lib = _cupy_backend()
+    _check_nccl(lib, comm, stream)
+    return _nccl_or(found, lib=lib, comm=comm, stream=stream)
 
 
 def found_reducer(comm: Any, *, stream: Any = None) -> Callable[[Any], Any]:
@@ -76,4 +104,38 @@ def found_reducer(comm: Any, *, stream: Any = None) -> Callable[[Any], Any]:
         InvalidArgumentError: ``comm`` or ``stream`` is not what CuPy's NCCL
             needs (checked now, not at the first step).
     """
-    return _cupy_backend().found_reducer(comm, stream=stream)  # type: ignore[no-any-return]
+    lib = _cupy_backend()
+    _check_nccl(lib, comm, stream)
+    return functools.partial(_nccl_or, lib=lib, comm=comm, stream=stream)
+
+
+def _check_nccl(lib: ModuleType, comm: Any, stream: Any) -> None:
+    if not callable(getattr(comm, "allReduce", None)):
+        raise InvalidArgumentError(
+            f"comm={lib._describe(comm)}, but it must be a cupy.cuda.nccl.NcclCommunicator "
+            f"(with an allReduce method); create one per rank with "
+            f"NcclCommunicator(n_ranks, uid, rank)"
+        )
+    if stream is not None and not isinstance(stream, lib.cupy.cuda.Stream):
+        raise InvalidArgumentError(
+            f"stream={lib._describe(stream)}, but it must be a cupy.cuda.Stream or None "
+            f"(the current stream)"
+        )
+
+
+def _nccl_or(found: Any, *, lib: ModuleType, comm: Any, stream: Any) -> Any:
+    """The all-reduce itself, ``comm`` and ``stream`` checked; ``found`` checked here."""
+    cupy = lib.cupy
+    buf = lib._device_flag(found).astype(cupy.uint8)
+    s = cupy.cuda.get_current_stream() if stream is None else stream
+    comm.allReduce(buf.data.ptr, buf.data.ptr, 1, *_nccl_constants(), s.ptr)
+    return buf.astype(cupy.bool_)
+
+
+@functools.cache
+def _nccl_constants() -> tuple[int, int]:
+    """``(NCCL_UINT8, NCCL_MAX)``; NCCL's own values if its binding loads."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # CuPy warns at import when libnccl is missing
+        from cupy.cuda import nccl  # noqa: PLC0415 - only multi-GPU users load NCCL
+    return int(getattr(nccl, "NCCL_UINT8", 1)), int(getattr(nccl, "NCCL_MAX", 2))

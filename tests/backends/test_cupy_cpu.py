@@ -7,7 +7,8 @@ any device work. That is what the refusal tests here add to the contract suite
 (``test_contract.py``), which runs every rule on the CuPy backend only where a GPU
 is. The GPU tests are in ``test_cupy_gpu.py``.
 
-For ``unscale_norm`` and ``unscale_clip`` this file also checks, without a GPU,
+For the measure and rescale passes (``unscale_norm`` and ``unscale_clip``, as the
+core composes them in ``scaler_core._ops``) this file also checks, without a GPU,
 the PTX of their kernels (no flushing of subnormals, no floating-point atomics,
 a read-only first pass, a clip pass that reads the flag and the norm) and the
 order and arguments of their launches, with the GPU replaced by a recorder.
@@ -15,6 +16,7 @@ order and arguments of their launches, with the GPU replaced by a recorder.
 
 from __future__ import annotations
 
+import functools
 import importlib.resources
 import re
 import shutil
@@ -30,6 +32,7 @@ import numpy as np
 import pytest
 
 import scaler_core as sc
+from scaler_core import _ops
 
 KERNELS = ("float16", "bfloat16", "float32", "float64")
 #: Per dtype: unscale, detection, unscale + norm, the read-only first pass of clipping
@@ -200,7 +203,7 @@ def test_norm_and_clip_kernels_have_the_documented_shape(
     # Deterministic norms: no floating-point atomics (their order varies run to run).
     assert not re.search(r"\b(atom|red)\.[\w.]*\.f(16|32|64)\b", ptx)
     for dt in KERNELS:
-        first = bodies[f"sc_norm_{dt}"]  # the read-only pass of unscale_clip
+        first = bodies[f"sc_norm_{dt}"]  # measure without write: unscale_clip's first pass
         assert _stores(first) == {"st.global.f64"}, dt  # its partial sum, no gradient write
         assert "fma.rn.f64" in first
         assert first.count("atom.global.or.b32") == first.count("bar.red.or.pred") > 0
@@ -279,7 +282,10 @@ def test_mixed_numpy_and_cupy_leaves_are_rejected(cupy_mod: Any) -> None:
 @pytest.mark.parametrize("dtype", [np.int32, np.bool_, np.complex64, np.uint8])
 def test_non_float_leaf_is_rejected_by_path(backend: Any, cupy_mod: Any, dtype: Any) -> None:
     grads = {"w": [_fake(cupy_mod, (4,), np.float32), _fake(cupy_mod, (2,), dtype)]}
-    for call in (lambda: backend.unscale(grads, 2.0), lambda: backend.find_non_finite(grads)):
+    for call in (
+        lambda: _ops.unscale(backend, grads, 2.0),
+        lambda: _ops.find_non_finite(backend, grads),
+    ):
         with pytest.raises(sc.GradientTypeError, match=r"grads\['w'\]\[1\] has dtype"):
             call()
 
@@ -287,19 +293,19 @@ def test_non_float_leaf_is_rejected_by_path(backend: Any, cupy_mod: Any, dtype: 
 def test_foreign_leaf_is_rejected_by_path(backend: Any, cupy_mod: Any) -> None:
     grads = [_fake(cupy_mod, (4,), np.float32), None, np.ones(2, np.float32)]
     with pytest.raises(sc.GradientTypeError, match=r"grads\[2\] is a numpy.ndarray"):
-        backend.unscale(grads, 2.0)
+        _ops.unscale(backend, grads, 2.0)
 
 
 def test_leaves_on_two_devices_are_rejected(backend: Any, cupy_mod: Any) -> None:
     grads = [_fake(cupy_mod, (4,), np.float32, 0), _fake(cupy_mod, (4,), np.float32, 1)]
     with pytest.raises(sc.GradientValueError, match=r"grads\[1\] is on GPU 1 but grads\[0\]"):
-        backend.unscale(grads, 2.0)
+        _ops.unscale(backend, grads, 2.0)
 
 
 @pytest.mark.parametrize("scale", [0.0, -1.0, float("nan"), float("inf"), 1e-40, 1e39, "2"])
 def test_bad_host_scale_is_rejected_first(backend: Any, cupy_mod: Any, scale: Any) -> None:
     with pytest.raises(sc.GradientValueError, match="scale="):
-        backend.unscale([_fake(cupy_mod, (4,), np.float32)], scale)
+        _ops.unscale(backend, [_fake(cupy_mod, (4,), np.float32)], scale)
 
 
 @pytest.mark.parametrize(("shape", "dtype"), [((2,), np.float32), ((), np.int32), ((1,), "f8")])
@@ -308,7 +314,7 @@ def test_bad_device_scale_is_rejected_first(
 ) -> None:
     scale = _fake(cupy_mod, shape, dtype)
     with pytest.raises(sc.GradientValueError, match="device scale must be a 0-d float array"):
-        backend.unscale([_fake(cupy_mod, (4,), np.float32)], scale)
+        _ops.unscale(backend, [_fake(cupy_mod, (4,), np.float32)], scale)
 
 
 @pytest.mark.parametrize("flag", [1, 0.0, None, "yes", np.array([True])])
@@ -337,21 +343,32 @@ def test_scale_loss_needs_a_cupy_loss(backend: Any) -> None:
         backend.scale_loss(np.float32(1.0), 2.0)
 
 
-def test_nccl_reducer_validates_its_arguments(cupy_mod: Any) -> None:
+def test_nccl_reducer_validates_its_arguments(
+    cupy_mod: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from scaler_core import cupy as sc_cupy
     from scaler_core.backends import _cupy
 
-    with pytest.raises(sc.InvalidArgumentError, match=r"comm=.*NcclCommunicator"):
-        _cupy.found_reducer(object())
+    # Past the "no GPU" refusal (test_gpu_helpers_raise_backend_unavailable_without_a_gpu),
+    # to the checks of the arguments themselves.
+    monkeypatch.setattr(sc_cupy, "_cupy_backend", lambda: _cupy)
+    makers = (sc_cupy.found_reducer, functools.partial(sc_cupy.reduce_found, True))
+    for make in makers:
+        with pytest.raises(sc.InvalidArgumentError, match=r"comm=.*NcclCommunicator"):
+            make(object())
 
     class Comm:
         def allReduce(self, *args: Any) -> None:  # the NcclCommunicator method name
             raise AssertionError("must not be called while validating")
 
-    with pytest.raises(sc.InvalidArgumentError, match=r"stream=.*cupy\.cuda\.Stream"):
-        _cupy.found_reducer(Comm(), stream="default")
-    reduce_found = _cupy.found_reducer(Comm())
+    for make in makers:
+        with pytest.raises(sc.InvalidArgumentError, match=r"stream=.*cupy\.cuda\.Stream"):
+            make(Comm(), stream="default")
+    reduce_found = sc_cupy.found_reducer(Comm())
     with pytest.raises(sc.GradientTypeError, match="found="):
         reduce_found(1)
+    with pytest.raises(sc.GradientTypeError, match="found="):
+        sc_cupy.reduce_found(1, Comm())
     with pytest.raises(sc.InvalidArgumentError, match="reduce_found"):
         sc.GradScaler(reduce_found="not callable")  # type: ignore[arg-type]
 
@@ -402,13 +419,17 @@ def test_bad_max_norm_is_refused_before_any_device_work(
 ) -> None:
     grads = [_fake(cupy_mod, (4,), np.float32)]
     with pytest.raises(sc.InvalidArgumentError) as info:
-        backend.unscale_clip(grads, 2.0, max_norm)
+        _ops.unscale_clip(backend, grads, 2.0, max_norm)
     text = str(info.value)
-    assert text.startswith(f"max_norm={max_norm!r}, but it must be"), text  # field and value
+    # Field and value (an array is named, not shown: its repr could read it back).
+    kind = type(max_norm)
+    named = hasattr(max_norm, "shape") and hasattr(max_norm, "dtype")  # NumPy values
+    shown = f"a {kind.__module__}.{kind.__qualname__}" if named else repr(max_norm)
+    assert text.startswith(f"max_norm={shown}, but it must be"), text
     assert "max_norm=1.0" in text  # the fix
     # The same message as every other backend gives (one shared rule).
     with pytest.raises(sc.InvalidArgumentError) as numpy_info:
-        sc.get_backend("numpy").unscale_clip([np.ones(4, np.float32)], 2.0, max_norm)
+        _ops.unscale_clip(sc.get_backend("numpy"), [np.ones(4, np.float32)], 2.0, max_norm)
     assert str(numpy_info.value) == text
 
 
@@ -416,45 +437,63 @@ def test_device_array_max_norm_is_refused_without_reading_it(
     backend: Any, cupy_mod: Any, no_device_work: None
 ) -> None:
     grads = [_fake(cupy_mod, (4,), np.float32)]
-    with pytest.raises(sc.InvalidArgumentError, match=r"max_norm=<cupy array shape=\(\) dtype"):
-        backend.unscale_clip(grads, 2.0, _fake(cupy_mod, (), np.float32))
+    # Named by its type (the core's one max_norm check), never read: its memory is fake.
+    with pytest.raises(sc.InvalidArgumentError, match=r"max_norm=a cupy\.ndarray, but it must"):
+        _ops.unscale_clip(backend, grads, 2.0, _fake(cupy_mod, (), np.float32))
 
 
 def test_refusals_come_in_the_numpy_backends_order(
     backend: Any, cupy_mod: Any, no_device_work: None
 ) -> None:
-    """Several faults at once: the scale first, then max_norm, then the leaves (as NumPy)."""
+    """Several faults at once: max_norm first (the core checks it before any pass), then
+    the leaves (``leaves``), then the scale (the passes), as for NumPy."""
     numpy_backend = sc.get_backend("numpy")
     cases = [  # (scale, max_norm, leaf dtype) -> the error both backends raise
-        (0.0, 0.0, np.float32, sc.GradientValueError),
+        (0.0, 0.0, np.float32, sc.InvalidArgumentError),
+        (0.0, 1.0, np.int32, sc.GradientTypeError),
+        (0.0, 1.0, np.float32, sc.GradientValueError),
         (2.0, 0.0, np.int32, sc.InvalidArgumentError),
         (2.0, 1.0, np.int32, sc.GradientTypeError),
     ]
     for scale, max_norm, dtype, error in cases:
         with pytest.raises(error):
-            backend.unscale_clip([_fake(cupy_mod, (4,), dtype)], scale, max_norm)
+            _ops.unscale_clip(backend, [_fake(cupy_mod, (4,), dtype)], scale, max_norm)
         with pytest.raises(error):
-            numpy_backend.unscale_clip([np.ones(4, dtype)], scale, max_norm)
+            _ops.unscale_clip(numpy_backend, [np.ones(4, dtype)], scale, max_norm)
     with pytest.raises(sc.GradientValueError, match="device scale must be a 0-d float array"):
-        backend.unscale_clip([_fake(cupy_mod, (4,), np.float32)], _fake(cupy_mod, (2,), "f4"), 0)
+        _ops.unscale_clip(
+            backend, [_fake(cupy_mod, (4,), np.float32)], _fake(cupy_mod, (2,), "f4"), 1
+        )
 
 
 def test_reduce_must_be_callable(backend: Any, cupy_mod: Any, no_device_work: None) -> None:
     with pytest.raises(sc.InvalidArgumentError, match=r"reduce='or', but it must be a callable"):
-        backend.unscale_clip([_fake(cupy_mod, (4,), np.float32)], 2.0, 1.0, reduce="or")
+        _ops.unscale_clip(backend, [_fake(cupy_mod, (4,), np.float32)], 2.0, 1.0, reduce="or")
 
 
 @pytest.mark.parametrize(
     "max_norm", [1, 0.5, np.float32(2.5), np.int64(3), np.float64(1e-30), 3.4028234663852886e38]
 )
-def test_good_max_norm_becomes_its_float32(cupy_mod: Any, max_norm: Any) -> None:
-    from scaler_core.backends import _cupy
-
-    got = _cupy._max_norm_arg(max_norm)
+def test_good_max_norm_becomes_its_float32(
+    backend: Any, cupy_mod: Any, monkeypatch: pytest.MonkeyPatch, max_norm: Any
+) -> None:
+    """What the clip launch gets for ``max_norm`` (checked by the core): its float32."""
+    rec = _Launches(cupy_mod, monkeypatch)
+    _ops.unscale_clip(backend, [rec.fake((8,), np.float32)], 2.0, max_norm)
+    [clip] = [entry for entry in rec.log if entry[0] == "sc_clip_float32"]
+    got = clip[3][-1]
     assert type(got) is np.float32
     assert got == np.float32(max_norm)
     assert np.isfinite(got)
     assert got > 0
+
+
+def _nothing_cached(before: dict[Any, Any]) -> bool:
+    """No plan in the cache that was not there ``before`` (looking a tree up may drop
+    a dead plan whose arrays' ids the new arrays reuse)."""
+    from scaler_core.backends import _cupy
+
+    return all(before.get(key) is plan for key, plan in _cupy._PLANS.items())
 
 
 def _bad_trees(cupy_mod: Any) -> list[tuple[str, Any, Any]]:
@@ -481,11 +520,13 @@ def test_norm_and_clip_refuse_exactly_as_unscale_before_any_device_work(
 
     what, grads, scale = _bad_trees(cupy_mod)[case]
     before = dict(_cupy._PLANS)
-    want = _message(lambda: backend.unscale(grads, scale))
-    assert _message(lambda: backend.unscale_norm(grads, scale)) == want, what
-    assert _message(lambda: backend.unscale_clip(grads, scale, 1.0)) == want, what
-    assert _message(lambda: backend.unscale_clip(grads, scale, 1.0, reduce=bool)) == want, what
-    assert dict(_cupy._PLANS) == before  # nothing cached for a refused tree
+    want = _message(lambda: _ops.unscale(backend, grads, scale))
+    assert _message(lambda: _ops.unscale_norm(backend, grads, scale)) == want, what
+    assert _message(lambda: _ops.unscale_clip(backend, grads, scale, 1.0)) == want, what
+    assert _message(lambda: _ops.unscale_clip(backend, grads, scale, 1.0, reduce=bool)) == want, (
+        what
+    )
+    assert _nothing_cached(before)  # nothing cached for a refused tree
 
 
 # ------------------------------------------------ norm and clip: the launches
@@ -593,7 +634,7 @@ def test_unscale_norm_is_one_pass_then_the_finish(
 ) -> None:
     rec = _Launches(cupy_mod, monkeypatch)
     grads = _tree(rec)
-    out, found, norm = backend.unscale_norm(grads, 4.0)
+    out, found, norm = _ops.unscale_norm(backend, grads, 4.0)
     assert out is grads
     from scaler_core.backends import _cupy
 
@@ -624,7 +665,9 @@ def test_unscale_clip_reads_then_reduces_then_clips_on_the_device(
         rec.log.append(("reduce",))
         return decision
 
-    out, found, norm = backend.unscale_clip(grads, 4.0, 0.1, reduce=reduce if with_reduce else None)
+    out, found, norm = _ops.unscale_clip(
+        backend, grads, 4.0, 0.1, reduce=reduce if with_reduce else None
+    )
     assert out is grads
     n = _check_first_pass(rec, "sc_norm_", (_cupy._NULL, np.float32(0.25)))
     if with_reduce:
@@ -668,18 +711,19 @@ def test_unscale_clip_with_a_host_flag_from_reduce(
 
     def full(shape: Any, value: Any, dtype: Any = None) -> Any:
         filled.append((shape, value, np.dtype(dtype)))
-        return rec.fake((), np.bool_)
+        return rec.buffer("filled", (), np.bool_)
 
     monkeypatch.setattr(cupy_mod, "full", full)
-    _, found, _ = backend.unscale_clip(
-        [rec.fake((8,), np.float32)], 2.0, 1.0, reduce=lambda f: True
+    _, found, _ = _ops.unscale_clip(
+        backend, [rec.fake((8,), np.float32)], 2.0, 1.0, reduce=lambda f: True
     )
     assert filled == [((), True, np.dtype(np.bool_))]
-    assert rec.log[-1][3][4] is found
+    assert found is True  # the core returns reduce's answer as it is
+    assert rec.log[-1][3][4] is rec.buffers["filled"]  # the clip launch reads the filled flag
     # A reduce that answers with something else is refused before the clip pass.
     before = len(rec.log)
     with pytest.raises(sc.GradientTypeError, match=r"reduce\(found\)=1"):
-        backend.unscale_clip([rec.fake((8,), np.float32)], 2.0, 1.0, reduce=lambda f: 1)
+        _ops.unscale_clip(backend, [rec.fake((8,), np.float32)], 2.0, 1.0, reduce=lambda f: 1)
     assert rec.names()[before:] == ["sc_norm_float32", "sc_norm_finish"]
 
 
@@ -705,8 +749,8 @@ def test_plan_rejects_before_caching(backend: Any, cupy_mod: Any) -> None:
     before = dict(_cupy._PLANS)
     grads = [_fake(cupy_mod, (4,), np.float32), _fake(cupy_mod, (4,), np.int64)]
     with pytest.raises(sc.GradientTypeError):
-        backend.unscale(grads, 2.0)
-    assert dict(_cupy._PLANS) == before
+        _ops.unscale(backend, grads, 2.0)
+    assert _nothing_cached(before)
 
 
 # --------------------------------------------------------------- plan cache
@@ -729,21 +773,31 @@ def test_plan_cache_hits_the_same_arrays_and_never_keeps_them_alive(
     a = _fake(cupy_mod, (8,), np.float32)
     b = _fake(cupy_mod, (4, 3), np.float16)
     t = _fake(cupy_mod, (4, 3), np.float64).T  # non-contiguous
-    plan, leaves = _cupy._plan([a, b, t, None])  # None leaves are skipped
+    backend = _cupy.CupyBackend()
+
+    def plan_of(grads: Any) -> tuple[Any, list[Any]]:
+        prepared = backend.leaves(grads, writable=True)
+        return _cupy._plan_of(prepared), prepared.leaves
+
+    prepared = backend.leaves([a, b, t, None], writable=True)
+    assert prepared.plan is None  # validated; the plan waits for the first pass
+    assert built == []
+    plan, leaves = plan_of([a, b, t, None])  # None leaves are skipped
     assert [x is y for x, y in zip(leaves, [a, b, t], strict=True)] == [True] * 3
     assert plan.strided == [2]
     assert built == [("float32", 1), ("float16", 1)]
-    assert _cupy._plan([a, b, t])[0] is plan  # the fast path: same objects
-    assert _cupy._plan({"x": [a, b], "y": t})[0] is plan  # any tree with the same leaves
+    assert backend.leaves([a, b, t], writable=True).plan is plan  # the fast path: same objects
+    assert plan_of({"x": [a, b], "y": t})[0] is plan  # any tree with the same leaves
+    assert _cupy._plan_of(prepared) is plan  # built meanwhile: found in the cache
     assert len(built) == 2
 
     ref = weakref.ref(b)
-    del b, leaves
+    del b, leaves, prepared
     gc.collect()
     assert ref() is None  # the cache holds no strong reference to a gradient
     assert plan.valid is False
     c = _fake(cupy_mod, (4, 3), np.float16)
-    assert _cupy._plan([a, c, t])[0] is not plan
+    assert plan_of([a, c, t])[0] is not plan
 
 
 # ---------------------------------------------------------------- benchmark

@@ -20,6 +20,7 @@ import pytest
 from hypothesis import given, settings
 
 import scaler_core as sc
+from scaler_core import _ops
 from scaler_core._state import DATA_FIELDS, host_update
 from scaler_core.testing import configs, flag_sequences
 
@@ -33,8 +34,9 @@ if _N_GPUS == 0:
     pytest.skip(f"GPU tests of the CuPy backend: {_WHY}", allow_module_level=True)
 
 from scaler_core import cupy as sc_cupy  # noqa: E402
+from scaler_core._ops import clip_coefficient  # noqa: E402
 from scaler_core.backends import _cupy  # noqa: E402 - only where CuPy and a GPU exist
-from scaler_core.backends._common import clip_coefficient, inv_scale_of  # noqa: E402
+from scaler_core.backends._common import inv_scale_of  # noqa: E402
 from scaler_core.backends._numpy_reference import (  # noqa: E402
     NumpyReferenceBackend,
     clip_in_place,
@@ -55,6 +57,11 @@ def _quiet_numpy_reference() -> Any:
     # The NumPy reference overflows to inf on purpose here; NumPy would warn about it.
     with np.errstate(all="ignore"):
         yield
+
+
+def plan_of(grads: Any) -> Any:
+    """The backend's launch plan for ``grads`` (the cached one for arrays seen before)."""
+    return _cupy._plan_of(CP.leaves(grads, writable=True))
 
 
 def device_copy(host: np.ndarray) -> Any:
@@ -163,8 +170,8 @@ def test_backend_is_found_from_cupy_arrays() -> None:
 @pytest.mark.parametrize("p_special", [0.0, 0.001])
 def test_unscale_equals_numpy_bit_for_bit(dtype: Any, scale: float, p_special: float) -> None:
     dev, host = make_case(1234, [dtype], p_special)
-    _, found = CP.unscale(dev, scale)
-    _, want = NP.unscale(host, scale)
+    _, found = _ops.unscale(CP, dev, scale)
+    _, want = _ops.unscale(NP, host, scale)
     assert isinstance(found, cupy.ndarray)
     assert found.shape == ()
     assert found.dtype == np.bool_
@@ -180,8 +187,8 @@ def test_mixed_dtypes_in_one_call(where: str) -> None:
         if d.dtype.name == where and d.ndim == 1 and d.size > 100:
             set_value(d, h, -1, np.nan)
             assert np.isnan(to_host(d).astype(np.float64)).any()
-    _, found = CP.unscale({"layers": dev}, 512.0)
-    _, want = NP.unscale({"layers": host}, 512.0)
+    _, found = _ops.unscale(CP, {"layers": dev}, 512.0)
+    _, want = _ops.unscale(NP, {"layers": host}, 512.0)
     assert bool(found.get()) == bool(want) == (where != "none")
     for d, h in zip(dev, host, strict=True):
         assert_same_bits(to_host(d), h)
@@ -192,8 +199,8 @@ def test_overflow_made_by_the_unscale_itself_is_found(dtype: Any) -> None:
     finite = {"float16": 65504.0, "bfloat16": 1e38, "float32": 1e33, "float64": 1e303}
     big = np.array([finite[dtype.name], 0.0], dtype)
     g = device_copy(big)
-    assert not bool(CP.find_non_finite([g]).get())
-    _, found = CP.unscale([g], 2.0**-20)
+    assert not bool(_ops.find_non_finite(CP, [g]).get())
+    _, found = _ops.unscale(CP, [g], 2.0**-20)
     assert bool(found.get())
     assert np.isinf(to_host(g).astype(np.float64)).tolist() == [True, False]
 
@@ -203,8 +210,8 @@ def test_find_non_finite_reads_only(dtype: Any) -> None:
     for p in (0.0, 0.0005):
         dev, host = make_case(99, [dtype], p)
         before = [to_host(d).copy() for d in dev]
-        found = CP.find_non_finite(dev)
-        assert bool(found.get()) == bool(NP.find_non_finite(host))
+        found = _ops.find_non_finite(CP, dev)
+        assert bool(found.get()) == bool(_ops.find_non_finite(NP, host))
         for d, b in zip(dev, before, strict=True):
             assert_same_bits(to_host(d), b)
 
@@ -212,10 +219,10 @@ def test_find_non_finite_reads_only(dtype: Any) -> None:
 def test_single_inf_anywhere_in_a_large_array_is_found() -> None:
     n = _cupy.CHUNK_BYTES // 4 * 3 + 5
     g = cupy.ones(n, np.float32)
-    assert not bool(CP.find_non_finite([g]).get())
+    assert not bool(_ops.find_non_finite(CP, [g]).get())
     for pos in (0, 1, _cupy.CHUNK_BYTES // 4 - 1, _cupy.CHUNK_BYTES // 4, n // 2, n - 1):
         g[pos] = np.inf
-        assert bool(CP.find_non_finite([g]).get()), pos
+        assert bool(_ops.find_non_finite(CP, [g]).get()), pos
         g[pos] = 1.0
 
 
@@ -224,24 +231,24 @@ def test_two_thousand_small_arrays_reuse_one_plan_and_table() -> None:
     host = [rng.standard_normal(1024 + (i % 3)).astype(np.float32) for i in range(2000)]
     host[1999][17] = np.nan
     dev = [device_copy(h) for h in host]
-    _, found = CP.unscale(dev, 4.0)
-    _, want = NP.unscale(host, 4.0)
+    _, found = _ops.unscale(CP, dev, 4.0)
+    _, want = _ops.unscale(NP, host, 4.0)
     assert bool(found.get())
     assert bool(want)
     for d, h in zip(dev, host, strict=True):
         assert_same_bits(to_host(d), h)
-    plan, _ = _cupy._plan(dev)
+    plan = plan_of(dev)
     tables = dict(_cupy._TABLES)
     dev[1999][17] = 1.0
-    _, found = CP.unscale(dev, 4.0)
+    _, found = _ops.unscale(CP, dev, 4.0)
     assert not bool(found.get())
-    assert _cupy._plan(dev)[0] is plan
+    assert plan_of(dev) is plan
     assert dict(_cupy._TABLES).keys() == tables.keys()
 
 
 def test_same_array_twice_is_unscaled_once() -> None:
     g = cupy.full(10, 8.0, np.float32)
-    CP.unscale({"a": g, "b": [g, None]}, 2.0)
+    _ops.unscale(CP, {"a": g, "b": [g, None]}, 2.0)
     assert to_host(g).tolist() == [4.0] * 10
 
 
@@ -249,8 +256,8 @@ def test_device_scale_gives_the_host_scale_result() -> None:
     state = sc_cupy.to_device(sc.init(sc.ScalerConfig(init_scale=3.0)))
     a, host = make_case(5, DTYPES, 0.001)
     b, _ = make_case(5, DTYPES, 0.001)
-    _, fa = CP.unscale(a, state.scale)
-    _, fb = CP.unscale(b, 3.0)
+    _, fa = _ops.unscale(CP, a, state.scale)
+    _, fb = _ops.unscale(CP, b, 3.0)
     _, fh = sc.unscale(host, 3.0)
     assert bool(fa.get()) == bool(fb.get()) == bool(fh)
     for x, y, h in zip(a, b, host, strict=True):
@@ -262,7 +269,7 @@ def test_rejected_call_modifies_nothing() -> None:
     good = cupy.full(5, 4.0, np.float32)
     for grads, scale in (([good, cupy.ones(3, np.int32)], 2.0), ([good], 0.0)):
         with pytest.raises(sc.InvalidGradientError):
-            CP.unscale(grads, scale)
+            _ops.unscale(CP, grads, scale)
         assert to_host(good).tolist() == [4.0] * 5
 
 
@@ -376,8 +383,8 @@ def test_the_step_performs_no_host_sync(monkeypatch: pytest.MonkeyPatch) -> None
     params = [cupy.ones(10, np.float32)]
     scaler = sc.GradScaler(state=state)
     # Warm up: compile the kernels and upload the chunk tables once.
-    CP.unscale(grads, state.scale)
-    CP.find_non_finite(grads)
+    _ops.unscale(CP, grads, state.scale)
+    _ops.find_non_finite(CP, grads)
     cupy.cuda.Stream.null.synchronize()
     for name in _SYNCING:
         monkeypatch.setattr(cupy.ndarray, name, _forbid, raising=False)
@@ -433,7 +440,7 @@ def test_cuda_graph_capture_and_replay_of_unscale_detect_update() -> None:
     cupy.cuda.Device().synchronize()  # the setup ran on the null stream
 
     def step() -> Any:
-        _, found = CP.unscale(grads, state.scale)
+        _, found = _ops.unscale(CP, grads, state.scale)
         new = CP.update(state, found)
         for name in DATA_FIELDS:  # fixed buffers: the graph writes the next state in place
             getattr(state, name)[...] = getattr(new, name)
@@ -448,9 +455,7 @@ def test_cuda_graph_capture_and_replay_of_unscale_detect_update() -> None:
             stream.begin_capture()
             found = step()
             graph = stream.end_capture()
-    assert all(
-        any(t is p for p in _cupy._PINNED) for t in (g.table for g in _cupy._plan(grads)[0].groups)
-    )
+    assert all(any(t is p for p in _cupy._PINNED) for t in (g.table for g in plan_of(grads).groups))
     host_state = sc.init(cfg)
     for i in range(n_steps):
         with stream:
@@ -459,7 +464,7 @@ def test_cuda_graph_capture_and_replay_of_unscale_detect_update() -> None:
             graph.launch(stream)
         stream.synchronize()
         expect = [h.copy() for h in sources_host[i]]
-        _, want = NP.unscale(expect, host_state.scale)
+        _, want = _ops.unscale(NP, expect, host_state.scale)
         host_state = host_update(host_state, bool(want))
         assert bool(found.get()) == bool(want) == (i in nan_steps)
         for g, e in zip(grads, expect, strict=True):
@@ -500,7 +505,7 @@ def test_pytorch_cuda_tensors_through_dlpack_are_unscaled_in_place() -> None:
     t = torch.full((1000,), 65536.0, device="cuda")
     h = torch.full((10,), 2048.0, device="cuda", dtype=torch.float16)
     grads = [cupy.from_dlpack(t), cupy.from_dlpack(h)]
-    _, found = CP.unscale(grads, 65536.0)
+    _, found = _ops.unscale(CP, grads, 65536.0)
     assert bool(found.get()) is False
     assert torch.equal(t, torch.ones_like(t))
     assert torch.equal(h, torch.full_like(h, 2048.0 / 65536.0))
@@ -522,7 +527,7 @@ def test_matches_pytorch_kernel_where_semantics_agree(dtype: Any) -> None:
     inv = torch.full((1,), float(np.float32(1.0 / 1024.0)), device="cuda")
     torch._amp_foreach_non_finite_check_and_unscale_([theirs], found_t, inv)
     ours = device_copy(host)
-    _, found = CP.unscale([ours], 1024.0)
+    _, found = _ops.unscale(CP, [ours], 1024.0)
     assert bool(found.get()) == bool(found_t.item())
     tsigned = {2: torch.int16, 4: torch.int32, 8: torch.int64}[dtype.itemsize]
     back = theirs.view(tsigned).cpu().numpy().view(dtype)
@@ -533,7 +538,7 @@ def test_streams_are_respected() -> None:
     s = cupy.cuda.Stream(non_blocking=True)
     with s:
         g = cupy.full(1 << 20, 2.0, np.float32)
-        _, found = CP.unscale([g], 2.0)
+        _, found = _ops.unscale(CP, [g], 2.0)
     s.synchronize()
     assert not bool(found.get())
     assert float(g[-1].get()) == 1.0
@@ -541,7 +546,7 @@ def test_streams_are_respected() -> None:
 
 def test_flags_are_device_arrays_on_the_arrays_device() -> None:
     g = cupy.ones(4, np.float32)
-    found = CP.find_non_finite([g])
+    found = _ops.find_non_finite(CP, [g])
     assert found.device.id == g.device.id
 
 
@@ -551,7 +556,7 @@ def test_a_bad_device_scale_fails_closed_without_a_host_read(bad: float) -> None
     gradient NaN and sets the flag, so the step is skipped and the update records a
     collapse, where a sign flip or a zero would have trained on silently."""
     grads = [device_copy(np.ones(8, np.float32))]
-    _, found = CP.unscale(grads, cupy.asarray(bad, np.float32))
+    _, found = _ops.unscale(CP, grads, cupy.asarray(bad, np.float32))
     assert bool(found.get())
     assert not np.isfinite(to_host(grads[0])).any()
     loss = CP.scale_loss(cupy.ones((), np.float32), cupy.asarray(bad, np.float32))
@@ -646,8 +651,8 @@ def expected_clip(host: list[np.ndarray], scale: float, coef: np.float32) -> lis
 def test_unscale_norm_is_unscale_plus_the_norm(dtype: Any, scale: float) -> None:
     dev, host = clip_case(21, [dtype])
     twin = [h.copy() for h in host]
-    _, found, norm = CP.unscale_norm(dev, scale)
-    _, want = NP.unscale(host, scale)  # host now holds what unscale stores
+    _, found, norm = _ops.unscale_norm(CP, dev, scale)
+    _, want = _ops.unscale(NP, host, scale)  # host now holds what unscale stores
     assert isinstance(found, cupy.ndarray)
     assert found.shape == ()
     assert found.dtype == np.bool_
@@ -659,15 +664,15 @@ def test_unscale_norm_is_unscale_plus_the_norm(dtype: Any, scale: float) -> None
     assert np.isfinite(ref)
     assert ref > 0
     assert ulps(got, ref) <= 1, (got, ref)
-    _, _, numpy_norm = NUMPY.unscale_norm(twin, scale)
+    _, _, numpy_norm = _ops.unscale_norm(NUMPY, twin, scale)
     assert ulps(got, numpy_norm) <= 1, (got, numpy_norm)
 
 
 def test_unscale_norm_of_a_mixed_tree() -> None:
     dev, host = clip_case(22, DTYPES)
     tree = {"layers": [dev[:8], {"h": dev[8:16]}], "rest": tuple(dev[16:])}
-    _, found, norm = CP.unscale_norm(tree, 512.0)
-    NP.unscale(host, 512.0)
+    _, found, norm = _ops.unscale_norm(CP, tree, 512.0)
+    _ops.unscale(NP, host, 512.0)
     assert not bool(found.get())
     for d, h in zip(dev, host, strict=True):
         assert_same_bits(to_host(d), h)
@@ -681,8 +686,8 @@ def test_a_non_finite_value_gives_the_flag_and_a_non_finite_norm(
 ) -> None:
     dev, host = clip_case(23, [dtype])
     set_value(dev[4], host[4], 17, planted)  # the multi-chunk leaf
-    _, found, norm = CP.unscale_norm(dev, 4.0)
-    _, want = NP.unscale(host, 4.0)
+    _, found, norm = _ops.unscale_norm(CP, dev, 4.0)
+    _, want = _ops.unscale(NP, host, 4.0)
     assert bool(found.get()) is bool(want) is True
     got = host_norm(norm)
     assert np.isnan(got) if np.isnan(planted) else got == np.inf
@@ -692,10 +697,10 @@ def test_a_non_finite_value_gives_the_flag_and_a_non_finite_norm(
 
 def test_an_empty_tree_has_norm_zero() -> None:
     for grads in ([], [cupy.zeros(0, np.float32)], {"a": None}):
-        _, found, norm = CP.unscale_norm(grads, 2.0)
+        _, found, norm = _ops.unscale_norm(CP, grads, 2.0)
         assert not bool(found.get())
         assert host_norm(norm) == 0.0
-        _, found, norm = CP.unscale_clip(grads, 2.0, 1.0)
+        _, found, norm = _ops.unscale_clip(CP, grads, 2.0, 1.0)
         assert not bool(found.get())
         assert host_norm(norm) == 0.0
 
@@ -711,17 +716,17 @@ def test_unscale_clip_equals_the_reference_arithmetic(
     with np.errstate(all="ignore"):
         ref_norm = exact_norm([np.asarray(unscaled_copy(h, inv)) for h in host])
     max_norm = float(ref_norm) / 3.0 if clips else 1e30
-    _, found, norm = CP.unscale_clip(dev, scale, max_norm)
+    _, found, norm = _ops.unscale_clip(CP, dev, scale, max_norm)
     assert not bool(found.get())
     got_norm = host_norm(norm)
     assert ulps(got_norm, ref_norm) <= 1, (got_norm, ref_norm)
-    coef = clip_coefficient(got_norm, max_norm)
+    coef = clip_coefficient(np, got_norm, max_norm)
     assert (coef < 1.0) == clips
     for d, want in zip(dev, expected_clip(host, scale, coef), strict=True):
         assert_same_bits(to_host(d), want, f"{d.shape} {d.strides}")
     if not clips:  # coef == 1: exactly unscale's bits
         plain, _ = fresh(host)
-        CP.unscale(plain, scale)
+        _ops.unscale(CP, plain, scale)
         for d, p in zip(dev, plain, strict=True):
             assert_same_bits(to_host(d), to_host(p))
 
@@ -729,13 +734,13 @@ def test_unscale_clip_equals_the_reference_arithmetic(
 def test_unscale_clip_of_a_mixed_tree_and_its_norm_is_unscale_norms() -> None:
     dev, host = clip_case(32, DTYPES)
     twin, _ = clip_case(32, DTYPES)
-    _, _, norm_once = CP.unscale_norm(twin, 8.0)
+    _, _, norm_once = _ops.unscale_norm(CP, twin, 8.0)
     tree = {"a": dev[:13], "b": {"c": dev[13:], "d": None}}
-    _, found, norm = CP.unscale_clip(tree, 8.0, 0.5)
+    _, found, norm = _ops.unscale_clip(CP, tree, 8.0, 0.5)
     assert not bool(found.get())
     got = host_norm(norm)
     assert got.view(np.uint32) == host_norm(norm_once).view(np.uint32)  # the same sums
-    coef = clip_coefficient(got, 0.5)
+    coef = clip_coefficient(np, got, 0.5)
     assert coef < 1.0
     for d, want in zip(dev, expected_clip(host, 8.0, coef), strict=True):
         assert_same_bits(to_host(d), want)
@@ -743,8 +748,8 @@ def test_unscale_clip_of_a_mixed_tree_and_its_norm_is_unscale_norms() -> None:
 
 def test_unscale_clip_matches_the_numpy_backends() -> None:
     dev, host = clip_case(33, DTYPES)
-    _, found, norm = CP.unscale_clip(dev, 1024.0, 2.0)
-    _, want_found, want_norm = NUMPY.unscale_clip(host, 1024.0, 2.0)
+    _, found, norm = _ops.unscale_clip(CP, dev, 1024.0, 2.0)
+    _, want_found, want_norm = _ops.unscale_clip(NUMPY, host, 1024.0, 2.0)
     assert bool(found.get()) is bool(want_found) is False
     got = host_norm(norm)
     assert ulps(got, want_norm) <= 1
@@ -755,10 +760,10 @@ def test_unscale_clip_matches_the_numpy_backends() -> None:
 
 def test_a_norm_past_float32s_range_clips_to_zero_like_pytorch() -> None:
     g = device_copy(np.array([3e38, -3e38, 1.0, -0.0], np.float32))
-    _, found, norm = CP.unscale_clip([g], 1.0, 1.0)
+    _, found, norm = _ops.unscale_clip(CP, [g], 1.0, 1.0)
     assert not bool(found.get())  # every value is finite
     assert host_norm(norm) == np.inf
-    assert clip_coefficient(np.float32(np.inf), 1.0) == 0.0
+    assert clip_coefficient(np, np.float32(np.inf), 1.0) == 0.0
     assert raw(g).tolist() == np.array([0.0, -0.0, 0.0, -0.0], np.float32).view(np.uint32).tolist()
 
 
@@ -768,7 +773,7 @@ def test_a_skipped_step_writes_nothing(dtype: Any, planted: float) -> None:
     dev, host = clip_case(41, [dtype])
     set_value(dev[6], host[6], 100, planted)  # the strided leaf
     before = [raw(d) for d in dev]
-    _, found, norm = CP.unscale_clip(dev, 65536.0, 1e-3)
+    _, found, norm = _ops.unscale_clip(CP, dev, 65536.0, 1e-3)
     assert bool(found.get())
     assert not np.isfinite(host_norm(norm))
     for d, b in zip(dev, before, strict=True):
@@ -785,7 +790,7 @@ def test_reduce_decides_the_skip() -> None:
 
     dev, _ = fresh(host)
     before = [raw(d) for d in dev]
-    _, found, norm = CP.unscale_clip(dev, 4.0, 0.5, reduce=always_skip)
+    _, found, norm = _ops.unscale_clip(CP, dev, 4.0, 0.5, reduce=always_skip)
     [flag] = seen
     assert isinstance(flag, cupy.ndarray)
     assert flag.shape == ()
@@ -796,15 +801,15 @@ def test_reduce_decides_the_skip() -> None:
     for d, b in zip(dev, before, strict=True):
         np.testing.assert_array_equal(raw(d), b)
     dev, _ = fresh(host)
-    CP.unscale_clip(dev, 4.0, 0.5, reduce=lambda flag: True)  # a host answer works too
+    _ops.unscale_clip(CP, dev, 4.0, 0.5, reduce=lambda flag: True)  # a host answer works too
     for d, b in zip(dev, before, strict=True):
         np.testing.assert_array_equal(raw(d), b)
     # A reduce that keeps the step gives exactly the result without one.
     dev, _ = fresh(host)
     plain, _ = fresh(host)
     other = cupy.asarray(False)
-    _, found, _ = CP.unscale_clip(dev, 4.0, 0.5, reduce=lambda flag: CP.any(flag, other))
-    CP.unscale_clip(plain, 4.0, 0.5)
+    _, found, _ = _ops.unscale_clip(CP, dev, 4.0, 0.5, reduce=lambda flag: CP.any(flag, other))
+    _ops.unscale_clip(CP, plain, 4.0, 0.5)
     assert bool(found.get()) is False
     for d, p in zip(dev, plain, strict=True):
         assert_same_bits(to_host(d), to_host(p))
@@ -821,9 +826,9 @@ def test_norms_and_clipping_are_deterministic() -> None:
     runs = []
     for _ in range(3):
         dev, _ = fresh(host)
-        _, _, n1 = CP.unscale_norm(dev, 2.0)
+        _, _, n1 = _ops.unscale_norm(CP, dev, 2.0)
         dev, _ = fresh(host)
-        _, _, n2 = CP.unscale_clip(dev, 2.0, 1.0)
+        _, _, n2 = _ops.unscale_clip(CP, dev, 2.0, 1.0)
         runs.append((host_norm(n1).view(np.uint32), host_norm(n2).view(np.uint32), dev))
     assert len({(int(a), int(b)) for a, b, _ in runs}) == 1
     assert runs[0][0] == runs[0][1]
@@ -838,7 +843,7 @@ def test_device_scale_and_the_functional_api_give_the_host_scale_result() -> Non
     host = clip_case(52, DTYPES)[1]
     a, _ = fresh(host)
     b, _ = fresh(host)
-    _, fa, na = CP.unscale_clip(a, state.scale, 0.25)
+    _, fa, na = _ops.unscale_clip(CP, a, state.scale, 0.25)
     _, fb, nb = sc.unscale_and_clip(b, 3.0, 0.25)
     assert bool(fa.get()) is bool(fb.get()) is False
     assert host_norm(na).view(np.uint32) == host_norm(nb).view(np.uint32)
@@ -847,7 +852,7 @@ def test_device_scale_and_the_functional_api_give_the_host_scale_result() -> Non
     c, _ = fresh(host)
     d, _ = fresh(host)
     _, _, nc = sc.unscale_and_norm(c, state)
-    _, _, nd = CP.unscale_norm(d, 3.0)
+    _, _, nd = _ops.unscale_norm(CP, d, 3.0)
     assert host_norm(nc).view(np.uint32) == host_norm(nd).view(np.uint32)
 
 
@@ -855,16 +860,16 @@ def test_refused_norm_and_clip_calls_modify_nothing() -> None:
     good = cupy.full(5, 4.0, np.float32)
     for max_norm in (0.0, float("nan"), True, 1e39):
         with pytest.raises(sc.InvalidArgumentError, match="max_norm="):
-            CP.unscale_clip([good], 2.0, max_norm)
+            _ops.unscale_clip(CP, [good], 2.0, max_norm)
     for call in (
-        lambda: CP.unscale_norm([good, cupy.ones(3, np.int32)], 2.0),
-        lambda: CP.unscale_clip([good, cupy.ones(3, np.int32)], 2.0, 1.0),
-        lambda: CP.unscale_clip([good], 0.0, 1.0),
+        lambda: _ops.unscale_norm(CP, [good, cupy.ones(3, np.int32)], 2.0),
+        lambda: _ops.unscale_clip(CP, [good, cupy.ones(3, np.int32)], 2.0, 1.0),
+        lambda: _ops.unscale_clip(CP, [good], 0.0, 1.0),
     ):
         with pytest.raises(sc.InvalidGradientError):
             call()
     with pytest.raises(sc.GradientTypeError, match=r"reduce\(found\)="):
-        CP.unscale_clip([good], 2.0, 1.0, reduce=lambda flag: "no")
+        _ops.unscale_clip(CP, [good], 2.0, 1.0, reduce=lambda flag: "no")
     assert to_host(good).tolist() == [4.0] * 5
 
 
@@ -878,9 +883,9 @@ def test_norm_and_clip_perform_no_host_sync(monkeypatch: pytest.MonkeyPatch) -> 
     other = cupy.asarray(False)
     one = sc_cupy.to_device(sc.init(sc.ScalerConfig(init_scale=1.0))).scale
     # Warm up (scale 1, no clipping: nothing changes): compile the kernels, upload the tables.
-    CP.unscale_norm(grads, one)
-    CP.unscale_clip(grads, one, 1e30, reduce=lambda flag: CP.any(flag, other))
-    CP.unscale_clip(grads, 1.0, 1e30)
+    _ops.unscale_norm(CP, grads, one)
+    _ops.unscale_clip(CP, grads, one, 1e30, reduce=lambda flag: CP.any(flag, other))
+    _ops.unscale_clip(CP, grads, 1.0, 1e30)
     cupy.cuda.Stream.null.synchronize()
     for name in _SYNCING:
         monkeypatch.setattr(cupy.ndarray, name, _forbid, raising=False)
@@ -889,11 +894,11 @@ def test_norm_and_clip_perform_no_host_sync(monkeypatch: pytest.MonkeyPatch) -> 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)  # allow_synchronize is "experimental"
         with guard(False) if guard is not None else _Null():
-            _, f1, n1 = CP.unscale_norm(grads, state.scale)  # 256 -> 1, 512 -> 2
-            _, f2, n2 = CP.unscale_clip(
-                grads, state.scale, 1e30, reduce=lambda flag: CP.any(flag, other)
+            _, f1, n1 = _ops.unscale_norm(CP, grads, state.scale)  # 256 -> 1, 512 -> 2
+            _, f2, n2 = _ops.unscale_clip(
+                CP, grads, state.scale, 1e30, reduce=lambda flag: CP.any(flag, other)
             )  # -> 2**-8, 2**-7; no clipping
-            _, f3, n3 = CP.unscale_clip(grads, 1.0, 1e-3)  # clipped
+            _, f3, n3 = _ops.unscale_clip(CP, grads, 1.0, 1e-3)  # clipped
             new_state = sc.update(state, CP.any(f1, f2, f3))
     monkeypatch.undo()
     assert not bool(CP.any(f1, f2, f3).get())
@@ -901,7 +906,7 @@ def test_norm_and_clip_perform_no_host_sync(monkeypatch: pytest.MonkeyPatch) -> 
     assert ulps(host_norm(n1), np.float32(norm_one)) <= 1
     assert ulps(host_norm(n2), np.float32(norm_one / 256)) <= 1
     assert ulps(host_norm(n3), np.float32(norm_one / 256)) <= 1
-    coef = clip_coefficient(host_norm(n3), 1e-3)
+    coef = clip_coefficient(np, host_norm(n3), 1e-3)
     assert to_host(grads["w"][1]).tolist()[0][:2] == [float(np.float32(2.0**-7) * coef)] * 2
     assert to_host(base).tolist()[:2] == [float(np.float64(2.0**-7) * np.float64(coef)), 512.0]
     assert new_state.to_host().growth_tracker == 1
@@ -918,10 +923,10 @@ def test_the_clip_coefficient_is_pytorchs() -> None:
     p = torch.nn.Parameter(torch.zeros(5000, device="cuda", dtype=torch.float32))
     p.grad = torch.from_numpy(host.copy()).cuda()
     total = torch.nn.utils.clip_grad_norm_([p], 0.5)
-    coef = clip_coefficient(np.float32(total.float().item()), 0.5)
+    coef = clip_coefficient(np, np.float32(total.float().item()), 0.5)
     assert coef < 1.0
     [want] = expected_clip([host], 1.0, coef)
     assert_same_bits(p.grad.cpu().numpy(), want)
     ours = device_copy(host)
-    _, _, norm = CP.unscale_clip([ours], 1.0, 0.5)
+    _, _, norm = _ops.unscale_clip(CP, [ours], 1.0, 0.5)
     assert abs(float(host_norm(norm)) / float(total.item()) - 1.0) < 1e-5

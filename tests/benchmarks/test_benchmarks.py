@@ -236,3 +236,24 @@ def test_optax_clip_bench_checks_both_clips_agree(tmp_path: Path) -> None:
     bad = _run(sys.executable, "benchmarks/bench_optax_clip.py", "--reps", "0", timeout=60)
     assert bad.returncode == 2
     assert len(bad.stderr.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("spikes", [False, True])
+def test_transition_bench_checks_every_form_against_the_host_one(
+    tmp_path: Path, spikes: bool
+) -> None:
+    out = tmp_path / "transition.json"
+    run = _run(
+        *(sys.executable, "benchmarks/bench_transition.py", "--steps", "300", "--reps", "1"),
+        *(["--spikes"] if spikes else []),
+        *("--json", str(out)),
+        timeout=300,
+    )
+    assert run.returncode == 0, run.stdout + run.stderr
+    report = json.loads(out.read_text())
+    assert report["spikes"] is spikes
+    assert {"host_update", "device_update_numpy"} <= set(report["us_per_step"])
+    assert report["ratio_to_host"]["host_update"] == 1.0
+    bad = _run(sys.executable, "benchmarks/bench_transition.py", "--steps", "0", timeout=60)
+    assert bad.returncode == 2
+    assert len(bad.stderr.strip().splitlines()) == 1

@@ -61,7 +61,7 @@ class Call(enum.Enum):
     UNSCALE = "unscale()"
     #: ``unscale()`` of a group already unscaled in this step.
     UNSCALE_AGAIN = "unscale() again"
-    DETECT = "detect()"
+    FIND_NON_FINITE = "find_non_finite()"
     SHOULD_SKIP_STEP = "should_skip_step()"
     STEP = "step()"
     UPDATE = "update()"
@@ -71,7 +71,7 @@ class Call(enum.Enum):
 
 
 _NO_CHECKS = (
-    "No inf checks were recorded prior to {call}; call unscale(grads) or detect(grads) on "
+    "No inf checks were recorded prior to {call}; call unscale(grads) or find_non_finite(grads) on "
     "this step's gradients first"
 )
 _AGAIN = (
@@ -101,7 +101,7 @@ TRANSITIONS: Mapping[StepPhase, Mapping[Call, StepPhase | str]] = MappingProxyTy
             Call.SCALE_LOSS: _P.READY,
             Call.UNSCALE: _P.CHECKING,
             Call.UNSCALE_AGAIN: _AGAIN,  # never reached: update() forgets the groups
-            Call.DETECT: _P.CHECKING,
+            Call.FIND_NON_FINITE: _P.CHECKING,
             Call.SHOULD_SKIP_STEP: _NO_CHECKS,
             Call.STEP: _NO_CHECKS,
             Call.UPDATE: _NO_CHECKS,
@@ -113,7 +113,7 @@ TRANSITIONS: Mapping[StepPhase, Mapping[Call, StepPhase | str]] = MappingProxyTy
             Call.SCALE_LOSS: _P.CHECKING,
             Call.UNSCALE: _P.CHECKING,
             Call.UNSCALE_AGAIN: _AGAIN,
-            Call.DETECT: _P.CHECKING,
+            Call.FIND_NON_FINITE: _P.CHECKING,
             Call.SHOULD_SKIP_STEP: _P.DECIDED,
             Call.STEP: _P.STEPPED,
             Call.UPDATE: _P.READY,
@@ -125,7 +125,7 @@ TRANSITIONS: Mapping[StepPhase, Mapping[Call, StepPhase | str]] = MappingProxyTy
             Call.SCALE_LOSS: _P.DECIDED,
             Call.UNSCALE: _LATE,
             Call.UNSCALE_AGAIN: _AGAIN,
-            Call.DETECT: _LATE,
+            Call.FIND_NON_FINITE: _LATE,
             Call.SHOULD_SKIP_STEP: _P.DECIDED,
             Call.STEP: _P.STEPPED,
             Call.UPDATE: _P.READY,
@@ -137,7 +137,7 @@ TRANSITIONS: Mapping[StepPhase, Mapping[Call, StepPhase | str]] = MappingProxyTy
             Call.SCALE_LOSS: _P.STEPPED,
             Call.UNSCALE: _LATE,
             Call.UNSCALE_AGAIN: _AGAIN,
-            Call.DETECT: _LATE,
+            Call.FIND_NON_FINITE: _LATE,
             Call.SHOULD_SKIP_STEP: _P.STEPPED,
             Call.STEP: _STEP_TWICE,
             Call.UPDATE: _P.READY,
@@ -201,13 +201,13 @@ class GradScaler:
     """Holds a scaler's state and enforces the order of a training step.
 
     Several gradient groups (one per optimizer, say) are unscaled separately;
-    their flags are OR-ed, as are the flags of :meth:`detect` calls on
+    their flags are OR-ed, as are the flags of :meth:`find_non_finite` calls on
     gradient-accumulation micro-batches. One :meth:`update` ends the step.
 
     Args:
         config: The policy; PyTorch's defaults when omitted.
         backend: A backend name or object; ``None`` picks it from the first
-            gradients passed to :meth:`unscale` or :meth:`detect`.
+            gradients passed to :meth:`unscale` or :meth:`find_non_finite`.
         state: Resume from this state (its config wins over ``config``).
         reduce_found: For data parallelism: a function that OR-reduces a found
             flag across replicas with the framework's own collective (mpi4py,
@@ -414,7 +414,7 @@ class GradScaler:
         self._phase = decided
         return grads
 
-    def detect(self, grads: Any, group: Hashable = DEFAULT_GROUP) -> Any:
+    def find_non_finite(self, grads: Any, group: Hashable = DEFAULT_GROUP) -> Any:
         """Check gradients for NaN/inf without unscaling; may be called many times.
 
         For gradient-accumulation micro-batches, static scales and bfloat16:
@@ -426,7 +426,7 @@ class GradScaler:
         Raises:
             LifecycleError: The skip decision of this step was already taken.
         """
-        phase = self._next(Call.DETECT, group)
+        phase = self._next(Call.FIND_NON_FINITE, group)
         backend = self._backend_for(grads)
         found = _ops.find_non_finite(backend, grads)
         self._record(backend, group, found, phase, grads)

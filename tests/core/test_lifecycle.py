@@ -44,8 +44,8 @@ def test_a_clean_step_then_a_skipped_step() -> None:
 
 def test_groups_and_micro_batches_are_ored() -> None:
     scaler = sc.GradScaler()
-    scaler.detect(grads_with(1.0), group="encoder")  # micro-batch 1: clean
-    scaler.detect(grads_with(np.nan), group="encoder")  # micro-batch 2: NaN
+    scaler.find_non_finite(grads_with(1.0), group="encoder")  # micro-batch 1: clean
+    scaler.find_non_finite(grads_with(np.nan), group="encoder")  # micro-batch 2: NaN
     scaler.unscale(grads_with(1.0), group="decoder")
     assert scaler.should_skip_step()
     assert scaler.update().skipped_steps == 1
@@ -81,7 +81,7 @@ def test_step_twice_and_checking_after_the_decision() -> None:
     with pytest.raises(sc.LifecycleError, match=r"step\(\) has already been called"):
         scaler.step(lambda: None)
     with pytest.raises(sc.LifecycleError, match="after the skip decision"):
-        scaler.detect(grads_with(1.0), group="late")
+        scaler.find_non_finite(grads_with(1.0), group="late")
     scaler.update()
     scaler.unscale(grads_with(1.0))  # a new step starts clean
     scaler.step(lambda: None)
@@ -90,7 +90,7 @@ def test_step_twice_and_checking_after_the_decision() -> None:
 def test_collapse_keeps_the_previous_state() -> None:
     scaler = sc.GradScaler(sc.ScalerConfig(init_scale=2.0**-126))
     before = scaler.state
-    scaler.detect(grads_with(np.inf))
+    scaler.find_non_finite(grads_with(np.inf))
     with pytest.raises(sc.ScaleCollapseError):
         scaler.update()
     assert scaler.state is before
@@ -144,7 +144,7 @@ def test_static_no_op_mode_still_skips() -> None:
     g = grads_with(3.0)
     scaler.unscale(g)
     assert g["w"].tolist() == [3.0] * 3  # scale 1: nothing multiplied
-    scaler.detect({"x": np.array([np.nan], np.float32)})
+    scaler.find_non_finite({"x": np.array([np.nan], np.float32)})
     assert scaler.should_skip_step()
     assert scaler.update().scale == 1.0
 
@@ -167,7 +167,7 @@ def _make_call(scaler: sc.GradScaler, call: Call, group: str) -> Callable[[], An
         Call.SCALE_LOSS: lambda: scaler.scale_loss(np.float32(1.0)),
         Call.UNSCALE: lambda: scaler.unscale(grads, group=group),
         Call.UNSCALE_AGAIN: lambda: scaler.unscale(grads, group=group),
-        Call.DETECT: lambda: scaler.detect(grads, group=group),
+        Call.FIND_NON_FINITE: lambda: scaler.find_non_finite(grads, group=group),
         Call.SHOULD_SKIP_STEP: scaler.should_skip_step,
         Call.STEP: lambda: scaler.step(lambda: None),
         Call.UPDATE: scaler.update,

@@ -42,33 +42,32 @@ from __future__ import annotations
 import math
 import sys
 from collections import defaultdict
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any, NamedTuple, cast
 
 import numpy as np
 import torch
 
-from scaler_core._errors import GradientTypeError, GradientValueError
+from scaler_core._errors import GradientTypeError, GradientValueError, LifecycleError
 from scaler_core._f32 import FLT_MIN
+from scaler_core._ops import clip_coefficient
 from scaler_core._state import ScalerState, device_update, require_state
 from scaler_core._tree import leaves_with_paths, map_pairs
 
 from . import _numpy, _plans, _torch_host
 from ._common import (
-    CLIP_EPS,
     LeafKind,
     check_select_pair,
-    clip_coefficient,
     flag_error,
     host_flag,
     inv_scale_of,
-    max_norm_of,
     norm_of_sums,
 )
 
 __all__ = [
     "BACKEND",
     "LEAVES",
+    "Leaves",
     "TorchBackend",
     "TorchNamespace",
     "check_for_fused",
@@ -469,6 +468,13 @@ class TorchNamespace:
     def maximum(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         return torch.maximum(a, b)
 
+    @staticmethod
+    def minimum(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        """``b`` where it is below ``a``, else ``a``: a NaN ``a`` comes back bit for bit,
+        as ``torch.clamp(a, max=...)`` returns it (``torch.minimum`` would return a NaN
+        of its own), so the clip coefficient keeps the bits PyTorch's clamp gives."""
+        return torch.where(b < a, b, a)
+
 
 # ---------------------------------------------------------------- the backend
 def _host_scale(scale: Any) -> float | None:
@@ -547,21 +553,6 @@ def _host_route(
     return [_numpy_view(t) for t in tensors], host
 
 
-def _torch_host_clip(
-    prepared: _torch_host.Plan, host: float, limit: float, decide: Callable[[Any], Any]
-) -> np.float32:
-    """:meth:`NumpyBackend.unscale_clip`'s steps, on PyTorch's kernels: one read for the
-    flag and the norm, then (unless ``decide`` says skip) one write of the clip."""
-    inv = inv_scale_of(host)
-    found, sums = _torch_host.measure(prepared, inv)
-    norm = norm_of_sums(sums)
-    if not decide(np.bool_(found)):
-        coef = clip_coefficient(norm, limit)
-        if inv != 1.0 or coef != 1.0:  # else nothing would change: write nothing
-            _torch_host.write_clip(prepared, inv, float(coef))
-    return norm
-
-
 def _norm(
     leaves: Sequence[_Leaf], values: Sequence[torch.Tensor], default: torch.device
 ) -> torch.Tensor:
@@ -579,14 +570,6 @@ def _norm(
             squares[i] = n.square()
     squares = sum_over_shards(leaves, squares)
     return torch.stack([q.to(default) for q in squares]).sum().sqrt().float()
-
-
-def clip_factor(norm: torch.Tensor, max_norm: float, skip: torch.Tensor) -> torch.Tensor:
-    """PyTorch's clip coefficient in its float32 steps, clamped at 1; 1 where ``skip``."""
-    denominator = norm.float() + float(CLIP_EPS)
-    coef = denominator.reciprocal() * float(np.float32(max_norm))
-    coef = torch.clamp(coef, max=1.0)
-    return torch.where(skip.to(coef.device), torch.ones_like(coef), coef)
 
 
 def _flag(found: Any, what: str = "found") -> torch.Tensor:
@@ -656,105 +639,160 @@ def _route(
     return _host_route([leaf.local for leaf in leaves], scale, torch_kernels=torch_kernels)
 
 
+class _HostPass(NamedTuple):
+    """What :meth:`TorchBackend.measure` prepared on the CPU route, for :meth:`rescale`."""
+
+    #: The NumPy backend the read ran on (read per call: a test may swap it).
+    numpy_backend: Any
+    #: A plan for the numba kernels, one for PyTorch's (:mod:`._torch_host`, holding
+    #: what the read gathered), or the NumPy backend's own prepared views.
+    prepared: Any
+    #: The scale as a float, and its inverse.
+    host: float
+    inv: float
+
+
+class Leaves:
+    """What :meth:`TorchBackend.leaves` returns: the tree, its leaves validated (each
+    tensor once), and what the measuring pass leaves for :meth:`TorchBackend.rescale`.
+
+    ``host`` is set by a read-only :meth:`~TorchBackend.measure` on the CPU route
+    (dense CPU tensors, a host scale): the plan its read made, reused by the write.
+    ``values`` and ``replaced`` are set by a read-only measure elsewhere (an
+    accelerator, sparse or sharded gradients), which unscales in place: the values
+    the clip multiplies, and the coalesced tensors that take the place of sparse
+    leaves in the returned tree.
+    """
+
+    __slots__ = ("grads", "host", "leaves", "replaced", "values")
+
+    def __init__(self, grads: Any, leaves: list[_Leaf]) -> None:
+        self.grads = grads
+        self.leaves = leaves
+        self.host: _HostPass | None = None
+        self.values: list[torch.Tensor] | None = None
+        self.replaced: dict[int, torch.Tensor] = {}
+
+
 class TorchBackend:
     """Unscale and detection for torch tensors; the flag is a 0-d ``torch.bool`` tensor."""
 
     name = "torch"
 
-    def unscale(self, grads: Any, scale: Any) -> tuple[Any, torch.Tensor]:
+    def leaves(self, grads: Any, *, writable: bool) -> Leaves:
+        """See :meth:`scaler_core.Backend.leaves`: every leaf validated, each tensor once.
+
+        Tensors have no read-only flag, so ``writable`` changes nothing here. A
+        DTensor placed as a partial sum is refused (:class:`GradientValueError`).
+        """
+        return Leaves(grads, _leaves(grads))
+
+    def unscale(self, leaves: Leaves, scale: Any) -> tuple[Any, torch.Tensor]:
         """See :meth:`scaler_core.Backend.unscale`: in place, one kernel per (device, dtype).
 
         ``scale`` may be a host float or a 0-d float tensor (a CPU one is validated;
         one on an accelerator is not read back, and a bad one fails closed). A sparse
         gradient with duplicate indices comes back coalesced (see the module's notes).
+        With ``scale`` ``None``: one read, nothing written (a sparse gradient with
+        duplicate indices is read as summed, in a temporary).
         """
+        if scale is None:
+            buckets = _buckets(elements(leaf) for leaf in leaves.leaves)
+            found = {
+                dev: _non_finite([t for ts in by_dtype.values() for t in ts], dev).float()
+                for dev, by_dtype in buckets.items()
+            }
+            return leaves.grads, _any_over_shards(
+                leaves.leaves, _combine(found, torch.device("cpu"))
+            )
         inv, check = inverse_scale(scale)
-        replaced, _, flag = _unscale(_leaves(grads), scale, inv, check)
-        return _put(grads, replaced), flag
+        replaced, _, flag = _unscale(leaves.leaves, scale, inv, check)
+        return _put(leaves.grads, replaced), flag
 
-    def unscale_norm(self, grads: Any, scale: Any) -> tuple[Any, torch.Tensor, torch.Tensor]:
-        """See :meth:`scaler_core.Backend.unscale_norm`.
+    def measure(
+        self, leaves: Leaves, scale: Any, *, write: bool
+    ) -> tuple[Any, torch.Tensor, torch.Tensor]:
+        """See :meth:`scaler_core.Backend.measure`.
 
-        On CPU (dense tensors) the NumPy kernels do it in one pass, on views of the
-        tensors' memory. Elsewhere PyTorch's unscale kernel, then ``_foreach_norm`` in
-        float64 (a second read: PyTorch has no fused kernel for both). A sparse
-        gradient's norm is its coalesced sum's; a DTensor's is over all its shards.
+        On CPU (dense tensors, a host scale) the NumPy kernels do it in one pass, on
+        the tensors' memory (without numba and without ``write``, PyTorch's kernels,
+        :mod:`._torch_host`); the flag and the norm come back as CPU tensors.
+
+        Elsewhere (an accelerator, sparse or sharded gradients) PyTorch's unscale
+        kernel, then ``_foreach_norm`` in float64 (a second read: PyTorch has no fused
+        kernel for both). This route has no read-only pass: it stores the unscaled
+        values even without ``write``, and :meth:`rescale` then multiplies them by the
+        coefficient alone, so a skipped step's gradients are left unscaled, as
+        ``unscale_`` leaves them. A sparse gradient's norm is its coalesced sum's; a
+        DTensor's is over all its shards.
         """
         inv, check = inverse_scale(scale)  # validates the scale, as unscale() does
-        leaves = _leaves(grads)
-        route = _route(leaves, scale)
+        route = _route(leaves.leaves, scale, torch_kernels=not write)
         if route is not None:
             prepared, host = route
-            if isinstance(prepared, _plans.Plan):
-                found, norm = _numpy.BACKEND.norm_planned(prepared, inv_scale_of(host))
-            else:  # NumPy views (a plan for PyTorch's kernels is made for clipping only)
-                _, found, norm = _numpy.BACKEND.unscale_norm(prepared, host)
-            return grads, torch.tensor(bool(found)), torch.tensor(float(norm))
-        replaced, values, flag = _unscale(leaves, scale, inv, check)
-        return _put(grads, replaced), flag, _norm(leaves, values, flag.device)
+            numpy_backend = _numpy.BACKEND  # the one _route planned for
+            host_inv = inv_scale_of(host)
+            work: Any = prepared
+            found: Any
+            if isinstance(prepared, _torch_host.Plan):  # made for the read-only pass only
+                found, sums = _torch_host.measure(prepared, host_inv)
+                norm = norm_of_sums(sums)
+            elif isinstance(prepared, _plans.Plan):
+                found, norm = numpy_backend.measure_planned(prepared, host_inv, write=write)
+            else:  # NumPy views: the NumPy backend validates and plans them
+                work = numpy_backend.leaves(prepared, writable=True)
+                _, found, norm = numpy_backend.measure(work, host, write=write)
+            if not write:
+                leaves.host = _HostPass(numpy_backend, work, host, host_inv)
+            return leaves.grads, torch.tensor(bool(found)), torch.tensor(float(norm))
+        replaced, values, flag = _unscale(leaves.leaves, scale, inv, check)
+        if not write:
+            leaves.values, leaves.replaced = values, replaced
+        return _put(leaves.grads, replaced), flag, _norm(leaves.leaves, values, flag.device)
 
-    def unscale_clip(
-        self,
-        grads: Any,
-        scale: Any,
-        max_norm: float,
-        reduce: Callable[[Any], Any] | None = None,
-    ) -> tuple[Any, torch.Tensor, torch.Tensor]:
-        """See :meth:`scaler_core.Backend.unscale_clip`.
+    def rescale(self, leaves: Leaves, scale: Any, norm: Any, max_norm: float, skip: Any) -> Any:
+        """See :meth:`scaler_core.Backend.rescale`, after :meth:`measure` without ``write``.
 
-        On CPU (dense tensors) the NumPy kernels: one read, then one write unless the
-        step is skipped. Elsewhere (an accelerator, sparse or sharded gradients): the
-        unscale and the norm as :meth:`unscale_norm`, then one ``_foreach_mul_`` by the
-        coefficient (1 on a skipped step, decided on the device): three reads and two
-        writes, and a skipped step's gradients are left unscaled, as ``unscale_``
-        leaves them.
+        On CPU: unless ``skip`` (a CPU flag, read for free), one write of the unscaled
+        values times the coefficient, through the plan the read made. Elsewhere the
+        values are unscaled already (see :meth:`measure`): one ``_foreach_mul_`` by the
+        coefficient, which is 1 where ``skip`` (decided on the device, never read
+        back), so a skipped step's gradients stay unscaled.
+
+        Raises:
+            LifecycleError: :meth:`measure` without ``write`` did not run on ``leaves``
+                first (or this pass already did).
         """
-        limit = max_norm_of(max_norm)
-        inv, check = inverse_scale(scale)
-        leaves = _leaves(grads)
-        route = _route(leaves, scale, torch_kernels=True)
-        if route is not None:
-            numpy_backend = _numpy.BACKEND
-            decided: list[torch.Tensor] = []
-
-            def decide(found: Any) -> Any:
-                flag = torch.tensor(bool(found))
-                if reduce is not None:
-                    flag = reduce(flag)
-                decided.append(flag)
-                return np.bool_(self.to_bool(flag))
-
-            prepared, host = route
+        host, values = leaves.host, leaves.values
+        leaves.host = leaves.values = None  # one rescale per measure
+        if host is not None:
+            if self.to_bool(skip):
+                return leaves.grads
+            numpy_backend, prepared, scale_value, inv = host
+            host_norm = np.float32(float(norm))
             if isinstance(prepared, _torch_host.Plan):
-                host_norm = _torch_host_clip(prepared, host, limit, decide)
-            elif isinstance(prepared, list):
-                _, _, host_norm = numpy_backend.unscale_clip(prepared, host, limit, decide)
+                with np.errstate(all="ignore"):
+                    coef = clip_coefficient(np, host_norm, max_norm)
+                if inv != 1.0 or coef != 1.0:  # else nothing would change: write nothing
+                    _torch_host.write_clip(prepared, inv, float(coef))
+            elif isinstance(prepared, _plans.Plan):
+                numpy_backend.rescale_planned(prepared, inv, host_norm, max_norm)
             else:
-                _, host_norm = numpy_backend.clip_planned(
-                    prepared, inv_scale_of(host), limit, decide
-                )
-            return grads, decided[0], torch.tensor(float(host_norm))
-        replaced, values, flag = _unscale(leaves, scale, inv, check)
-        norm = _norm(leaves, values, flag.device)
-        if reduce is not None:
-            flag = reduce(flag)
-        coef = clip_factor(norm, limit, _flag(flag))
+                numpy_backend.rescale(prepared, scale_value, host_norm, max_norm, np.False_)
+            return leaves.grads
+        if values is None:
+            raise LifecycleError(
+                "rescale() ran without a measure(..., write=False) on these leaves before it; "
+                "call leaves(), measure(write=False), then rescale() once (as "
+                "scaler_core.unscale_and_clip does)"
+            )
+        coef = clip_coefficient(TorchNamespace(norm.device), norm.float(), max_norm)
+        coef = torch.where(_flag(skip).to(coef.device), torch.ones_like(coef), coef)
         with torch.no_grad():
             for device, by_dtype in _buckets(values).items():
                 for tensors in by_dtype.values():
                     torch._foreach_mul_(tensors, coef.to(device, non_blocking=True))
-        return _put(grads, replaced), flag, norm
-
-    def find_non_finite(self, grads: Any) -> torch.Tensor:
-        """See :meth:`scaler_core.Backend.find_non_finite`: one read, nothing written (a
-        sparse gradient with duplicate indices is read as summed, in a temporary)."""
-        leaves = _leaves(grads)
-        buckets = _buckets(elements(leaf) for leaf in leaves)
-        found = {
-            dev: _non_finite([t for ts in by_dtype.values() for t in ts], dev).float()
-            for dev, by_dtype in buckets.items()
-        }
-        return _any_over_shards(leaves, _combine(found, torch.device("cpu")))
+        return _put(leaves.grads, leaves.replaced)
 
     def scale_loss(self, loss: Any, scale: Any) -> torch.Tensor:
         """See :meth:`scaler_core.Backend.scale_loss`: float32 (or float64) on the loss's device."""

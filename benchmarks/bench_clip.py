@@ -80,7 +80,8 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 import scaler_core as sc  # noqa: E402
-from scaler_core.backends._common import clip_coefficient, norm_of_sums  # noqa: E402
+from scaler_core._ops import clip_coefficient  # noqa: E402
+from scaler_core.backends._common import norm_of_sums  # noqa: E402
 
 if __package__:
     from ._sets import gpt2_small_shapes
@@ -268,7 +269,7 @@ class Case:
                 table.addrs, table.sizes, one, table.like, False, parts
             )
             norm = norm_of_sums(parts) if det == 0 else np.float32(np.nan)
-            table.scale(clip_coefficient(norm, MAX_NORM))
+            table.scale(clip_coefficient(np, norm, MAX_NORM))
             return found, norm
 
         def bound_2r1w() -> tuple[Any, Any]:
@@ -350,7 +351,7 @@ class Case:
         with torch.no_grad():
             total = math.fsum(float(torch.sum(p.double() ** 2)) for p in self.pristine)
             exact = math.sqrt(total) / SCALE  # exact: SCALE is a power of two
-            coef = clip_coefficient(np.float32(exact), MAX_NORM)
+            coef = clip_coefficient(np, np.float32(exact), MAX_NORM)
             coef_t = torch.tensor(float(coef), dtype=torch.float32, device=self.device)
             expected = [(p * (1.0 / SCALE)) * coef_t for p in self.pristine]
         out: dict[str, Any] = {"exact_norm": exact, "coefficient": float(coef), "rows": {}}

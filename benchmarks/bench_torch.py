@@ -155,6 +155,7 @@ def bench_route(device: str, reps: int, warmup: int, small: bool) -> dict[str, A
     (``zero_grad()`` re-allocates gradients) or reused (a plan-cache hit). On CUDA:
     PyTorch's kernel, or the CuPy kernel through DLPack views (fresh and kept)."""
     import scaler_core as sc  # noqa: PLC0415
+    from scaler_core import _ops  # noqa: PLC0415
 
     torch_backend = sc.get_backend("torch")
     if device == "cuda":
@@ -172,11 +173,11 @@ def bench_route(device: str, reps: int, warmup: int, small: bool) -> dict[str, A
         src = [torch.randn(shape, generator=gen).to(device) for shape in shapes]
         kept = [view(t) for t in src]
         calls: dict[str, Callable[[], Any]] = {
-            "torch_kernel": lambda src=src: torch_backend.unscale(src, 1.0)[1],
-            f"{other_name}_fresh_views": lambda src=src: other.unscale([view(t) for t in src], 1.0)[
-                1
-            ],
-            f"{other_name}_kept_views": lambda kept=kept: other.unscale(kept, 1.0)[1],
+            "torch_kernel": lambda src=src: _ops.unscale(torch_backend, src, 1.0)[1],
+            f"{other_name}_fresh_views": lambda src=src: _ops.unscale(
+                other, [view(t) for t in src], 1.0
+            )[1],
+            f"{other_name}_kept_views": lambda kept=kept: _ops.unscale(other, kept, 1.0)[1],
         }
         times: dict[str, list[float]] = {f"{label}:{k}": [] for k in calls}
         for rep in range(warmup + reps):

@@ -465,8 +465,8 @@ class GradScaler(torch.amp.GradScaler):
         }
         self._look_for_leaves(optimizer, optimizer_state["found_inf_per_device"])
         optimizer_state["stage"] = OptState.UNSCALED
-        self._norm = norm
-        return norm
+        self._norm = cast(torch.Tensor, norm)
+        return self._norm
 
     @property
     def grad_norm(self) -> torch.Tensor | None:

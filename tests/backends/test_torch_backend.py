@@ -17,6 +17,7 @@ import pytest
 torch = pytest.importorskip("torch", reason="the torch backend needs torch")
 
 import scaler_core as sc  # noqa: E402
+from scaler_core import _ops  # noqa: E402
 
 BACKEND = sc.get_backend("torch")
 
@@ -43,7 +44,7 @@ def test_an_overflow_made_by_the_unscale_is_found_where_pytorchs_kernel_misses_i
     assert torch.isinf(theirs[0])  # ... though the result is inf
     for scale in (0.5, torch.tensor(0.5)):
         ours = g.clone()
-        _, found = BACKEND.unscale([ours], scale)
+        _, found = _ops.unscale(BACKEND, [ours], scale)
         assert bool(found)
         assert torch.isinf(ours[0])
 
@@ -54,36 +55,36 @@ def test_gradients_of_parameters_that_require_grad_are_unscaled_in_place() -> No
     weight_grad = layer.weight.grad
     assert weight_grad is not None
     before = weight_grad.clone()
-    BACKEND.unscale([p.grad for p in layer.parameters()], 1024.0)
+    _ops.unscale(BACKEND, [p.grad for p in layer.parameters()], 1024.0)
     assert layer.weight.grad is weight_grad
     torch.testing.assert_close(weight_grad, before / 1024.0, rtol=0, atol=0)
-    BACKEND.unscale([layer.weight], 2.0)  # a parameter itself, under no_grad
+    _ops.unscale(BACKEND, [layer.weight], 2.0)  # a parameter itself, under no_grad
 
 
 def test_sparse_gradients_are_unscaled_and_float16_ones_coalesced_first() -> None:
     i = torch.tensor([[0, 1, 1], [2, 0, 2]])
     v = torch.tensor([16.0, 32.0, 64.0])
     dense = torch.sparse_coo_tensor(i, v, (2, 3), check_invariants=True)
-    _, found = BACKEND.unscale([dense], 4.0)
+    _, found = _ops.unscale(BACKEND, [dense], 4.0)
     assert not bool(found)
     assert dense._values().tolist() == [4.0, 8.0, 16.0]
     # float16 with duplicate indices: each value is finite, their sum overflows.
     dup_i = torch.tensor([[0, 1, 0], [2, 0, 2]])
     dup_v = torch.tensor([64000.0, 32.0, 64000.0], dtype=torch.float16)
     uncoalesced = torch.sparse_coo_tensor(dup_i, dup_v, (2, 3), check_invariants=True)
-    out, found = BACKEND.unscale({"g": uncoalesced}, 1.0)
+    out, found = _ops.unscale(BACKEND, {"g": uncoalesced}, 1.0)
     assert bool(found), "the coalesced sum overflows float16"
     assert out["g"] is not uncoalesced
     assert out["g"].is_coalesced()
-    assert not BACKEND.to_bool(BACKEND.find_non_finite([dense]))
+    assert not BACKEND.to_bool(_ops.find_non_finite(BACKEND, [dense]))
 
 
 def test_a_tensor_scale_must_hold_one_float() -> None:
     for bad in (torch.ones(2), torch.tensor(2)):
         with pytest.raises(sc.GradientValueError, match="a tensor scale must hold one float"):
-            BACKEND.unscale([torch.ones(2)], bad)
+            _ops.unscale(BACKEND, [torch.ones(2)], bad)
     with pytest.raises(sc.GradientValueError, match="scale="):
-        BACKEND.unscale([torch.ones(2)], torch.tensor(-2.0))  # a CPU tensor is read: refused
+        _ops.unscale(BACKEND, [torch.ones(2)], torch.tensor(-2.0))  # a CPU tensor is read: refused
 
 
 def test_a_sparse_csr_tensor_is_refused_by_name() -> None:
@@ -91,7 +92,7 @@ def test_a_sparse_csr_tensor_is_refused_by_name() -> None:
         warnings.simplefilter("ignore", UserWarning)  # CSR support is "beta" in torch
         csr = torch.eye(3).to_sparse_csr()
     with pytest.raises(sc.GradientTypeError, match=r"grads\[0\] has layout torch\.sparse_csr"):
-        BACKEND.unscale([csr], 2.0)
+        _ops.unscale(BACKEND, [csr], 2.0)
 
 
 def test_the_device_transition_runs_on_tensors_and_equals_the_host() -> None:
@@ -136,9 +137,9 @@ def test_the_route_for_devices_without_the_kernel_gives_the_kernels_bits(
             "kernel": [base[i].clone() for i in picks],
             "mul": [base[i].clone() for i in picks],
         }
-        _, found_kernel = BACKEND.unscale(grads["kernel"], scale)
+        _, found_kernel = _ops.unscale(BACKEND, grads["kernel"], scale)
         monkeypatch.setattr(_torch, "kernel_takes", lambda device, dtype: False)
-        _, found_mul = BACKEND.unscale(grads["mul"], scale)
+        _, found_mul = _ops.unscale(BACKEND, grads["mul"], scale)
         monkeypatch.undo()
         assert bool(found_kernel) == bool(found_mul), picks
         for a, b in zip(grads["kernel"], grads["mul"], strict=True):
@@ -148,10 +149,10 @@ def test_the_route_for_devices_without_the_kernel_gives_the_kernels_bits(
 def test_float64_values_beyond_float32s_range_are_finite() -> None:
     """The check reads each norm in its own dtype (a float32 cast made 1e300 inf)."""
     big = torch.tensor([1e300, -1e300], dtype=torch.float64)
-    assert not bool(BACKEND.find_non_finite([big]))
-    _, found = BACKEND.unscale([big.clone()], 0.5)  # below 1: the outputs are checked
+    assert not bool(_ops.find_non_finite(BACKEND, [big]))
+    _, found = _ops.unscale(BACKEND, [big.clone()], 0.5)  # below 1: the outputs are checked
     assert not bool(found)
-    _, found = BACKEND.unscale([big.clone()], 2.0**-100)  # 1e300 * 2**100 is inf in float64
+    _, found = _ops.unscale(BACKEND, [big.clone()], 2.0**-100)  # 1e300 * 2**100 is inf in float64
     assert bool(found)
 
 
@@ -282,3 +283,100 @@ assert not bool(found) and all(bool((t == 2.0).all()) for t in g), g
 print("ok")
 """
     assert run_python(code).split() == ["ok"]
+
+
+def _clamped_coefficient(norm: Any, max_norm: float) -> Any:
+    """The clip coefficient as the torch backend formed it before the kernel protocol
+    (and ``clip_grads_with_norm_`` forms it): a reciprocal, a product, a clamp."""
+    return torch.clamp((norm + float(np.float32(1e-6))).reciprocal() * max_norm, max=1.0)
+
+
+def _coefficient_norms() -> Any:
+    """float32 norms of every kind: random bits (subnormals, huge values, NaN payloads
+    of both signs, infinities), random magnitudes, and the edges."""
+    rng = np.random.default_rng(0)
+    bits = rng.integers(0, 2**32, 50_000, dtype=np.uint64).astype(np.uint32).view(np.float32)
+    with np.errstate(over="ignore"):
+        magnitudes = np.exp(rng.uniform(-100, 90, 50_000)).astype(np.float32)
+    edges = np.array(
+        [0.0, -0.0, 1e-45, 1e-40, 1.2e-38, 3.4e38, np.inf, -np.inf, np.nan, 1.0, 1e-6],
+        np.float32,
+    )
+    return torch.from_numpy(np.concatenate([bits, magnitudes, edges]))
+
+
+@pytest.mark.parametrize(
+    "device",
+    [
+        "cpu",
+        pytest.param(
+            "cuda",
+            marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+        ),
+    ],
+)
+def test_the_clip_coefficient_on_tensors_is_the_clamped_reciprocal_bit_for_bit(
+    device: str,
+) -> None:
+    """``_ops.clip_coefficient`` over :class:`TorchNamespace` (one divided by the
+    denominator, ``minimum`` as a select) gives the bits of the reciprocal and clamp it
+    replaced, NaN payloads included, element by element and as the 0-d tensor the clip
+    uses."""
+    from scaler_core.backends._torch import TorchNamespace
+
+    norms = _coefficient_norms().to(device)
+    xp = TorchNamespace(norms.device)
+    for max_norm in (1.0, 0.5, 2.0, 1e-30, 3.4028234663852886e38, 1.4e-45, 7.3, 123456.789):
+        got = _ops.clip_coefficient(xp, norms, max_norm)
+        want = _clamped_coefficient(norms, max_norm)
+        assert torch.equal(got.view(torch.int32), want.view(torch.int32)), max_norm
+        for norm in norms[::997]:
+            got = _ops.clip_coefficient(xp, norm, max_norm)
+            assert got.shape == ()
+            assert got.view(torch.int32).item() == (
+                _clamped_coefficient(norm, max_norm).view(torch.int32).item()
+            )
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64])
+def test_the_device_route_clips_with_pytorchs_coefficient_and_a_skip_leaves_values_unscaled(
+    monkeypatch: pytest.MonkeyPatch, dtype: Any
+) -> None:
+    """Off the CPU route (as on an accelerator, driven here with CPU tensors) the measure
+    unscales in place and the rescale multiplies by the coefficient, 1 on a skipped step:
+    PyTorch's clip of the unscaled values, and on a skip the values ``unscale_`` leaves."""
+    from scaler_core.backends import _torch
+
+    monkeypatch.setattr(_torch, "_route", lambda *a, **k: None)
+    gen = torch.Generator().manual_seed(5)
+    host = [(torch.randn(n, generator=gen) * 300).to(dtype) for n in (1000, 7, 33)]
+    scale, max_norm = 1024.0, 0.5
+    unscaled = [t.clone() for t in host]
+    _ops.unscale(BACKEND, unscaled, scale)
+    ours = [t.clone() for t in host]
+    out, found, norm = sc.unscale_and_clip(ours, scale, max_norm)
+    assert out is ours
+    assert not bool(found)
+    params = [torch.nn.Parameter(torch.zeros_like(u)) for u in unscaled]
+    for p, u in zip(params, unscaled, strict=True):
+        p.grad = u.clone()
+    torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
+    for p, o in zip(params, ours, strict=True):
+        assert torch.equal(p.grad.view(torch.uint8), o.view(torch.uint8))
+    # a skip decided by reduce (another group's inf): unscaled, not clipped
+    skipped = [t.clone() for t in host]
+    _, found, _ = _ops.unscale_clip(BACKEND, skipped, scale, max_norm, lambda f: f | True)
+    assert bool(found)
+    for u, s in zip(unscaled, skipped, strict=True):
+        assert torch.equal(u.view(torch.uint8), s.view(torch.uint8))
+
+
+def test_rescale_without_a_read_only_measure_is_refused() -> None:
+    for grads in ([torch.ones(3)], [torch.ones(3).to_sparse()]):
+        handle = BACKEND.leaves(grads, writable=True)
+        with pytest.raises(sc.LifecycleError, match=r"measure\(write=False\)"):
+            BACKEND.rescale(handle, 2.0, torch.tensor(1.0), 1.0, torch.tensor(False))
+        _, _, norm = BACKEND.measure(handle, 2.0, write=False)
+        BACKEND.rescale(handle, 2.0, norm, 1.0, torch.tensor(False))
+        with pytest.raises(sc.LifecycleError):  # one rescale per measure
+            BACKEND.rescale(handle, 2.0, norm, 1.0, torch.tensor(False))

@@ -4,7 +4,8 @@ What only a GPU shows: training bit for bit as ``torch.amp.GradScaler`` there, n
 synchronisation in ``step``/``update`` with a fused optimizer (under
 ``torch.cuda.set_sync_debug_mode("error")``, which raises at any synchronising call),
 a collapse recorded on the device and raised at the next host look, bfloat16
-gradients (PyTorch's CUDA kernel has none) and scales below 1 decided on the device.
+gradients (PyTorch's CUDA kernel has none), scales below 1 decided on the device, and
+the clip's coefficient formed there with PyTorch's bits.
 ``benchmarks/gpu_check.sh`` runs this file on the GPU.
 """
 
@@ -18,6 +19,7 @@ import pytest
 torch = pytest.importorskip("torch", reason="the torch integration needs PyTorch")
 
 import scaler_core as sc  # noqa: E402
+from scaler_core import _ops  # noqa: E402
 from scaler_core.torch import GradScaler  # noqa: E402
 
 pytestmark = [
@@ -133,8 +135,8 @@ def test_bfloat16_gradients_unscale_on_cuda_as_on_the_cpu() -> None:
     for scale in (2.0**10, 0.5):
         cpu = [t.clone() for t in host]
         gpu = [t.clone().to(CUDA) for t in host]
-        _, found_cpu = backend.unscale(cpu, scale)
-        _, found_gpu = backend.unscale(gpu, scale)
+        _, found_cpu = _ops.unscale(backend, cpu, scale)
+        _, found_gpu = _ops.unscale(backend, gpu, scale)
         assert bool(found_cpu)
         assert bool(found_gpu)
         for a, b in zip(cpu, gpu, strict=True):
@@ -144,9 +146,63 @@ def test_bfloat16_gradients_unscale_on_cuda_as_on_the_cpu() -> None:
 def test_a_scale_below_one_on_the_device_is_decided_there(no_sync: None) -> None:
     backend = sc.get_backend("torch")
     grads = [torch.full((8,), 60000.0, dtype=torch.float16, device=CUDA)]
-    _, found = backend.unscale(grads, torch.tensor(0.5, device=CUDA))  # 120000 overflows f16
+    _, found = _ops.unscale(backend, grads, torch.tensor(0.5, device=CUDA))  # 120000 overflows f16
     torch.cuda.set_sync_debug_mode("default")  # reading the flag is the one sync
     assert bool(found)
     grads = [torch.full((8,), 6000.0, dtype=torch.float16, device=CUDA)]
-    _, found = backend.unscale(grads, torch.tensor(0.5, device=CUDA))
+    _, found = _ops.unscale(backend, grads, torch.tensor(0.5, device=CUDA))
     assert not bool(found)
+
+
+def test_unscale_and_clip_on_cuda_never_synchronises_and_clips_as_pytorch() -> None:
+    """The device route: the measure unscales in place, the rescale multiplies by the
+    coefficient (``_ops.clip_coefficient`` on the device, 1 where the step is skipped),
+    with no host synchronisation; the result is PyTorch's clip of the unscaled values,
+    and a skip leaves them unscaled."""
+    backend = sc.get_backend("torch")
+    gen = torch.Generator(device=CUDA).manual_seed(2)
+    cases = []
+    for dtype in (torch.float32, torch.float16, torch.bfloat16):
+        host = [(torch.randn(n, device=CUDA, generator=gen) * 300).to(dtype) for n in (1000, 7)]
+        cases.append((host, [t.clone() for t in host], [t.clone() for t in host]))
+    scale = torch.tensor(1024.0, device=CUDA)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        results = []
+        for _, ours, skipped in cases:
+            _, found, norm = sc.unscale_and_clip(ours, scale, 0.5)
+            _, skip, _ = _ops.unscale_clip(backend, skipped, scale, 0.5, lambda f: f | True)
+            results.append((found, norm, skip))
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    for (host, ours, skipped), (found, norm, skip) in zip(cases, results, strict=True):
+        unscaled = [t.clone() for t in host]
+        _ops.unscale(backend, unscaled, scale)
+        assert not bool(found)
+        assert bool(skip)
+        params = [torch.nn.Parameter(torch.zeros_like(u)) for u in unscaled]
+        for p, u in zip(params, unscaled, strict=True):
+            p.grad = u.clone()
+        torch.nn.utils.clip_grads_with_norm_(params, 0.5, norm)
+        for p, o, s, u in zip(params, ours, skipped, unscaled, strict=True):
+            assert torch.equal(p.grad.view(torch.uint8), o.view(torch.uint8))
+            assert torch.equal(s.view(torch.uint8), u.view(torch.uint8))
+
+
+def test_the_clip_coefficient_on_cuda_is_the_clamped_reciprocal_bit_for_bit() -> None:
+    """``_ops.clip_coefficient`` over the torch namespace on the GPU: the bits of
+    ``clamp(reciprocal(norm + 1e-6) * max_norm, max=1)`` there, NaN payloads included
+    (the GPU's own: it need not keep the CPU's)."""
+    import numpy as np
+
+    from scaler_core.backends._torch import TorchNamespace
+
+    rng = np.random.default_rng(0)
+    bits = rng.integers(0, 2**32, 100_000, dtype=np.uint64).astype(np.uint32).view(np.float32)
+    edges = np.array([0.0, 1e-45, 1e-40, 3.4e38, np.inf, np.nan, 1.0, 1e-6], np.float32)
+    gpu = torch.from_numpy(np.concatenate([bits, edges])).to(CUDA)
+    for max_norm in (1.0, 0.5, 1e-30, 3.4028234663852886e38, 7.3):
+        got = _ops.clip_coefficient(TorchNamespace(gpu.device), gpu, max_norm)
+        want = torch.clamp((gpu + float(np.float32(1e-6))).reciprocal() * max_norm, max=1.0)
+        assert torch.equal(got.view(torch.int32), want.view(torch.int32)), max_norm

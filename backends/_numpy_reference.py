@@ -165,8 +165,10 @@ class NumpyReferenceBackend:
         with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
             coef = clip_coefficient(np, np.float32(norm), max_norm)
             if inv != 1.0 or coef != 1.0:  # else nothing would change: write nothing
-                for g in leaves.work:
-                    clip_in_place(g, unscaled_copy(g, inv), coef)
+                # Every copy before any write: arrays may share memory.
+                unscaled = [unscaled_copy(g, inv) for g in leaves.work]
+                for g, u in zip(leaves.work, unscaled, strict=True):
+                    clip_in_place(g, u, coef)
         return leaves.grads
 
     def scale_loss(self, loss: Any, scale: Any) -> Any:

@@ -1,7 +1,7 @@
 """The torch backend on the CPU without numba: PyTorch's own kernels, the NumPy path's bits.
 
 Where numba is missing, the NumPy backend's pure path runs on one thread, and
-``unscale_clip`` on CPU tensors through it took 1.5-10x as long as PyTorch's own
+``unscale_and_clip`` on CPU tensors through it took 1.5-10x as long as PyTorch's own
 ``unscale_`` + ``clip_grad_norm_`` pair. This route gives the same results with
 PyTorch's kernels, on PyTorch's threads (``torch.set_num_threads`` is honoured):
 

@@ -37,7 +37,7 @@ from typing import Any
 if __package__ in (None, ""):  # run as a script: the repository root holds `benchmarks`
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks._results import next_result  # noqa: E402
+from benchmarks._results import next_result
 
 
 def _contenders(spikes: bool) -> dict[str, Callable[[Any, bool], Any]]:

@@ -299,7 +299,7 @@ def unscale_and_norm(
     """
     if isinstance(scale, ScalerState):
         scale = scale.scale
-    return _ops.unscale_norm(resolve_backend(backend, grads), grads, scale)
+    return _ops.unscale_and_norm(resolve_backend(backend, grads), grads, scale)
 
 
 def unscale_and_clip(
@@ -334,7 +334,7 @@ def unscale_and_clip(
     """
     if isinstance(scale, ScalerState):
         scale = scale.scale
-    return _ops.unscale_clip(resolve_backend(backend, grads), grads, scale, max_norm)
+    return _ops.unscale_and_clip(resolve_backend(backend, grads), grads, scale, max_norm)
 
 
 def find_non_finite(grads: Any, *, backend: str | Backend | None = None) -> Any:

@@ -193,7 +193,7 @@ def _combined_norm(backend: Backend, norms: list[Any]) -> Any:
     the float32 norms in float32 instead overflows above about ``1.8e19`` and
     flushes below about ``1e-19``.
     """
-    _, _, total = _ops.unscale_norm(backend, [n.reshape(1) for n in norms], 1.0)
+    _, _, total = _ops.unscale_and_norm(backend, [n.reshape(1) for n in norms], 1.0)
     return total
 
 
@@ -374,7 +374,7 @@ class GradScaler:
         """
         phase = self._next(Call.UNSCALE_AGAIN if group in self._unscaled else Call.UNSCALE, group)
         backend = self._backend_for(grads)
-        grads, found, norm = _ops.unscale_norm(backend, grads, self._state.scale)
+        grads, found, norm = _ops.unscale_and_norm(backend, grads, self._state.scale)
         self._unscaled.add(group)
         self._norms[group] = norm
         self._record(backend, group, found, phase, grads)
@@ -408,7 +408,7 @@ class GradScaler:
             self._reduced = None
             return self._step_found()
 
-        grads, _, norm = _ops.unscale_clip(backend, grads, self._state.scale, max_norm, decide)
+        grads, _, norm = _ops.unscale_and_clip(backend, grads, self._state.scale, max_norm, decide)
         self._unscaled.add(group)
         self._norms[group] = norm
         self._phase = decided

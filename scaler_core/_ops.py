@@ -30,8 +30,8 @@ __all__ = [
     "find_non_finite",
     "max_norm_of",
     "unscale",
-    "unscale_clip",
-    "unscale_norm",
+    "unscale_and_clip",
+    "unscale_and_norm",
 ]
 
 #: What PyTorch's ``clip_grad_norm_`` adds to the norm before dividing (a float32 value).
@@ -103,7 +103,7 @@ def unscale(backend: Any, grads: Any, scale: Any) -> tuple[Any, Any]:
     return backend.unscale(backend.leaves(grads, writable=True), scale)  # type: ignore[no-any-return]
 
 
-def unscale_norm(backend: Any, grads: Any, scale: Any) -> tuple[Any, Any, Any]:
+def unscale_and_norm(backend: Any, grads: Any, scale: Any) -> tuple[Any, Any, Any]:
     """:func:`unscale` and the global L2 norm, one pass: ``(grads, found, norm)``."""
     _given(scale)
     return backend.measure(backend.leaves(grads, writable=True), scale, write=True)  # type: ignore[no-any-return]
@@ -115,7 +115,7 @@ def find_non_finite(backend: Any, grads: Any) -> Any:
     return found
 
 
-def unscale_clip(
+def unscale_and_clip(
     backend: Any,
     grads: Any,
     scale: Any,

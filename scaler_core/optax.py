@@ -186,7 +186,7 @@ def loss_scaled(
     ) -> tuple[Any, LossScaledState]:
         norm = None
         if spikes:
-            grads, found, norm = _ops.unscale_norm(BACKEND, updates, opt_state.scaler.scale)
+            grads, found, norm = _ops.unscale_and_norm(BACKEND, updates, opt_state.scaler.scale)
         else:
             grads, found = _ops.unscale(BACKEND, updates, opt_state.scaler.scale)
         if axis_name is not None:

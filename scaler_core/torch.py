@@ -456,7 +456,7 @@ class GradScaler(torch.amp.GradScaler):
             return found[flag.device] > 0
 
         grads = [p.grad for p in owners]
-        grads, found, norm = _ops.unscale_clip(_TORCH, grads, _scale, max_norm, reduce)
+        grads, found, norm = _ops.unscale_and_clip(_TORCH, grads, _scale, max_norm, reduce)
         for param, grad in zip(owners, grads, strict=True):
             if grad is not param.grad:  # a sparse gradient, coalesced
                 param.grad = grad

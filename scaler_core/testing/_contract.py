@@ -155,13 +155,13 @@ class _Check:
     def unscale(self, grads: Any, scale: Any) -> tuple[Any, Any]:
         return _ops.unscale(self.backend, grads, scale)
 
-    def unscale_norm(self, grads: Any, scale: Any) -> tuple[Any, Any, Any]:
-        return _ops.unscale_norm(self.backend, grads, scale)
+    def unscale_and_norm(self, grads: Any, scale: Any) -> tuple[Any, Any, Any]:
+        return _ops.unscale_and_norm(self.backend, grads, scale)
 
-    def unscale_clip(
+    def unscale_and_clip(
         self, grads: Any, scale: Any, max_norm: Any, reduce: Callable[[Any], Any] | None = None
     ) -> tuple[Any, Any, Any]:
-        return _ops.unscale_clip(self.backend, grads, scale, max_norm, reduce)
+        return _ops.unscale_and_clip(self.backend, grads, scale, max_norm, reduce)
 
     def find_non_finite(self, grads: Any) -> Any:
         return _ops.find_non_finite(self.backend, grads)
@@ -529,21 +529,21 @@ def _coefficient(norm: float, max_norm: float) -> np.float32:
 
 
 def _check_norm_and_clip(c: _Check) -> None:
-    """``unscale_norm`` writes ``unscale``'s bits and a norm within 1e-6 of the exact one
-    (non-finite with the flag); ``unscale_clip`` stores the rules' clipped values for its
+    """``unscale_and_norm`` writes ``unscale``'s bits and a norm within 1e-6 of the exact one
+    (non-finite with the flag); ``unscale_and_clip`` stores the rules' clipped values for its
     norm, writes nothing on a skipped step (a planted NaN, or ``reduce`` saying skip), and
     refuses a bad ``max_norm`` before anything changes."""
     for i, dtype in enumerate(c.subject.dtypes):
         host = _values(dtype, 1024.0, 37, seed=900 + i)
         want = _unscaled(host, 1024.0)
         exact = _exact_norm([want])
-        out, found, norm = c.unscale_norm([c.array(host.copy())], 1024.0)
+        out, found, norm = c.unscale_and_norm([c.array(host.copy())], 1024.0)
         if not _same_bits(c.host(out[0]), want):
             raise c.fail(f"unscale_norm of {dtype} did not store unscale()'s values")
         got = float(c.host(norm))
         if c.flag(found, "unscale_norm()") or abs(got - exact) > 1e-6 * exact:
             raise c.fail(f"unscale_norm of {dtype} gave norm {got!r}, the exact one is {exact!r}")
-        out, found, norm = c.unscale_clip([c.array(host.copy())], 1024.0, 1.0)
+        out, found, norm = c.unscale_and_clip([c.array(host.copy())], 1024.0, 1.0)
         coef = _coefficient(float(c.host(norm)), 1.0)
         if c.flag(found, "unscale_clip()") or not _same_bits(c.host(out[0]), _clipped(want, coef)):
             raise c.fail(f"unscale_clip of {dtype} did not store the unscaled values times {coef}")
@@ -551,12 +551,12 @@ def _check_norm_and_clip(c: _Check) -> None:
         bad[3] = np.nan
         for reduce, grads in ((None, bad), (lambda f: c.backend.any(f, True), host)):
             given = [c.array(grads.copy())]
-            out, found, norm = c.unscale_clip(given, 1024.0, 1.0, reduce)
+            out, found, norm = c.unscale_and_clip(given, 1024.0, 1.0, reduce)
             if not c.flag(found, "unscale_clip()"):
                 raise c.fail(f"unscale_clip of {dtype} did not report the skip")
             if not (_same_bits(c.host(out[0]), grads) and _same_bits(c.host(given[0]), grads)):
                 raise c.fail(f"unscale_clip of {dtype} wrote to the gradients of a skipped step")
-        if math.isfinite(float(c.host(c.unscale_norm([c.array(bad.copy())], 1024.0)[2]))):
+        if math.isfinite(float(c.host(c.unscale_and_norm([c.array(bad.copy())], 1024.0)[2]))):
             raise c.fail(f"unscale_norm of {dtype} with a NaN gave a finite norm")
     given = [c.array(_values(c.subject.dtypes[-1], 2.0, 5, seed=7))]
     before = c.host(given[0])
@@ -564,12 +564,12 @@ def _check_norm_and_clip(c: _Check) -> None:
     for max_norm in bad_norms:
         c.raises(
             InvalidArgumentError,
-            functools.partial(c.unscale_clip, given, 2.0, max_norm),
+            functools.partial(c.unscale_and_clip, given, 2.0, max_norm),
             f"unscale_clip(max_norm={max_norm!r})",
             "max_norm",
         )
     if not _same_bits(c.host(given[0]), before):
-        raise c.fail("a refused unscale_clip changed the gradients")
+        raise c.fail("a refused unscale_and_clip changed the gradients")
 
 
 _CHECKS: Mapping[str, Callable[[_Check], None]] = MappingProxyType(

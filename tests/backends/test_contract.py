@@ -105,18 +105,22 @@ for _attr in (*(m for m in BACKEND_MEMBERS if m != "name"), "non_finite_counts")
     setattr(_Delegating, _attr, _delegate(_attr))
 
 
-def _unscale_in_float16(grads: Any, scale: Any) -> Any:
+def _unscale_in_float16(leaves: Any, scale: Any) -> Any:
     """A classic slip: multiply a float16 gradient in float16 (double rounding)."""
-    for g in grads["grads"] if isinstance(grads, dict) else grads:
+    if scale is None:
+        return _reference().unscale(leaves, None)
+    for g in leaves.work:
         if g.dtype == np.float16:
             np.multiply(g, np.float16(1.0 / scale), out=g)
-    return _reference().unscale(grads, 1.0)
+    return _reference().unscale(leaves, 1.0)
 
 
-def _check_the_input(grads: Any, scale: Any) -> Any:
+def _check_the_input(leaves: Any, scale: Any) -> Any:
     """PyTorch's check: the flag of the *scaled* input, which misses an unscale overflow."""
-    found = _reference().find_non_finite(grads)
-    out, _ = _reference().unscale(grads, scale)
+    _, found = _reference().unscale(leaves, None)
+    if scale is None:
+        return leaves.grads, found
+    out, _ = _reference().unscale(leaves, scale)
     return out, found
 
 

@@ -7,7 +7,7 @@ any device work. That is what the refusal tests here add to the contract suite
 (``test_contract.py``), which runs every rule on the CuPy backend only where a GPU
 is. The GPU tests are in ``test_cupy_gpu.py``.
 
-For the measure and rescale passes (``unscale_norm`` and ``unscale_clip``, as the
+For the measure and rescale passes (``unscale_and_norm`` and ``unscale_and_clip``, as the
 core composes them in ``scaler_core._ops``) this file also checks, without a GPU,
 the PTX of their kernels (no flushing of subnormals, no floating-point atomics,
 a read-only first pass, a clip pass that reads the flag and the norm) and the
@@ -203,7 +203,7 @@ def test_norm_and_clip_kernels_have_the_documented_shape(
     # Deterministic norms: no floating-point atomics (their order varies run to run).
     assert not re.search(r"\b(atom|red)\.[\w.]*\.f(16|32|64)\b", ptx)
     for dt in KERNELS:
-        first = bodies[f"sc_norm_{dt}"]  # measure without write: unscale_clip's first pass
+        first = bodies[f"sc_norm_{dt}"]  # measure without write: unscale_and_clip's first pass
         assert _stores(first) == {"st.global.f64"}, dt  # its partial sum, no gradient write
         assert "fma.rn.f64" in first
         assert first.count("atom.global.or.b32") == first.count("bar.red.or.pred") > 0
@@ -419,7 +419,7 @@ def test_bad_max_norm_is_refused_before_any_device_work(
 ) -> None:
     grads = [_fake(cupy_mod, (4,), np.float32)]
     with pytest.raises(sc.InvalidArgumentError) as info:
-        _ops.unscale_clip(backend, grads, 2.0, max_norm)
+        _ops.unscale_and_clip(backend, grads, 2.0, max_norm)
     text = str(info.value)
     # Field and value (an array is named, not shown: its repr could read it back).
     kind = type(max_norm)
@@ -429,7 +429,7 @@ def test_bad_max_norm_is_refused_before_any_device_work(
     assert "max_norm=1.0" in text  # the fix
     # The same message as every other backend gives (one shared rule).
     with pytest.raises(sc.InvalidArgumentError) as numpy_info:
-        _ops.unscale_clip(sc.get_backend("numpy"), [np.ones(4, np.float32)], 2.0, max_norm)
+        _ops.unscale_and_clip(sc.get_backend("numpy"), [np.ones(4, np.float32)], 2.0, max_norm)
     assert str(numpy_info.value) == text
 
 
@@ -439,7 +439,7 @@ def test_device_array_max_norm_is_refused_without_reading_it(
     grads = [_fake(cupy_mod, (4,), np.float32)]
     # Named by its type (the core's one max_norm check), never read: its memory is fake.
     with pytest.raises(sc.InvalidArgumentError, match=r"max_norm=a cupy\.ndarray, but it must"):
-        _ops.unscale_clip(backend, grads, 2.0, _fake(cupy_mod, (), np.float32))
+        _ops.unscale_and_clip(backend, grads, 2.0, _fake(cupy_mod, (), np.float32))
 
 
 def test_refusals_come_in_the_numpy_backends_order(
@@ -457,18 +457,18 @@ def test_refusals_come_in_the_numpy_backends_order(
     ]
     for scale, max_norm, dtype, error in cases:
         with pytest.raises(error):
-            _ops.unscale_clip(backend, [_fake(cupy_mod, (4,), dtype)], scale, max_norm)
+            _ops.unscale_and_clip(backend, [_fake(cupy_mod, (4,), dtype)], scale, max_norm)
         with pytest.raises(error):
-            _ops.unscale_clip(numpy_backend, [np.ones(4, dtype)], scale, max_norm)
+            _ops.unscale_and_clip(numpy_backend, [np.ones(4, dtype)], scale, max_norm)
     with pytest.raises(sc.GradientValueError, match="device scale must be a 0-d float array"):
-        _ops.unscale_clip(
+        _ops.unscale_and_clip(
             backend, [_fake(cupy_mod, (4,), np.float32)], _fake(cupy_mod, (2,), "f4"), 1
         )
 
 
 def test_reduce_must_be_callable(backend: Any, cupy_mod: Any, no_device_work: None) -> None:
     with pytest.raises(sc.InvalidArgumentError, match=r"reduce='or', but it must be a callable"):
-        _ops.unscale_clip(backend, [_fake(cupy_mod, (4,), np.float32)], 2.0, 1.0, reduce="or")
+        _ops.unscale_and_clip(backend, [_fake(cupy_mod, (4,), np.float32)], 2.0, 1.0, reduce="or")
 
 
 @pytest.mark.parametrize(
@@ -479,7 +479,7 @@ def test_good_max_norm_becomes_its_float32(
 ) -> None:
     """What the clip launch gets for ``max_norm`` (checked by the core): its float32."""
     rec = _Launches(cupy_mod, monkeypatch)
-    _ops.unscale_clip(backend, [rec.fake((8,), np.float32)], 2.0, max_norm)
+    _ops.unscale_and_clip(backend, [rec.fake((8,), np.float32)], 2.0, max_norm)
     [clip] = [entry for entry in rec.log if entry[0] == "sc_clip_float32"]
     got = clip[3][-1]
     assert type(got) is np.float32
@@ -521,11 +521,11 @@ def test_norm_and_clip_refuse_exactly_as_unscale_before_any_device_work(
     what, grads, scale = _bad_trees(cupy_mod)[case]
     before = dict(_cupy._PLANS)
     want = _message(lambda: _ops.unscale(backend, grads, scale))
-    assert _message(lambda: _ops.unscale_norm(backend, grads, scale)) == want, what
-    assert _message(lambda: _ops.unscale_clip(backend, grads, scale, 1.0)) == want, what
-    assert _message(lambda: _ops.unscale_clip(backend, grads, scale, 1.0, reduce=bool)) == want, (
-        what
-    )
+    assert _message(lambda: _ops.unscale_and_norm(backend, grads, scale)) == want, what
+    assert _message(lambda: _ops.unscale_and_clip(backend, grads, scale, 1.0)) == want, what
+    assert (
+        _message(lambda: _ops.unscale_and_clip(backend, grads, scale, 1.0, reduce=bool)) == want
+    ), what
     assert _nothing_cached(before)  # nothing cached for a refused tree
 
 
@@ -634,7 +634,7 @@ def test_unscale_norm_is_one_pass_then_the_finish(
 ) -> None:
     rec = _Launches(cupy_mod, monkeypatch)
     grads = _tree(rec)
-    out, found, norm = _ops.unscale_norm(backend, grads, 4.0)
+    out, found, norm = _ops.unscale_and_norm(backend, grads, 4.0)
     assert out is grads
     from scaler_core.backends import _cupy
 
@@ -665,7 +665,7 @@ def test_unscale_clip_reads_then_reduces_then_clips_on_the_device(
         rec.log.append(("reduce",))
         return decision
 
-    out, found, norm = _ops.unscale_clip(
+    out, found, norm = _ops.unscale_and_clip(
         backend, grads, 4.0, 0.1, reduce=reduce if with_reduce else None
     )
     assert out is grads
@@ -714,7 +714,7 @@ def test_unscale_clip_with_a_host_flag_from_reduce(
         return rec.buffer("filled", (), np.bool_)
 
     monkeypatch.setattr(cupy_mod, "full", full)
-    _, found, _ = _ops.unscale_clip(
+    _, found, _ = _ops.unscale_and_clip(
         backend, [rec.fake((8,), np.float32)], 2.0, 1.0, reduce=lambda f: True
     )
     assert filled == [((), True, np.dtype(np.bool_))]
@@ -723,7 +723,7 @@ def test_unscale_clip_with_a_host_flag_from_reduce(
     # A reduce that answers with something else is refused before the clip pass.
     before = len(rec.log)
     with pytest.raises(sc.GradientTypeError, match=r"reduce\(found\)=1"):
-        _ops.unscale_clip(backend, [rec.fake((8,), np.float32)], 2.0, 1.0, reduce=lambda f: 1)
+        _ops.unscale_and_clip(backend, [rec.fake((8,), np.float32)], 2.0, 1.0, reduce=lambda f: 1)
     assert rec.names()[before:] == ["sc_norm_float32", "sc_norm_finish"]
 
 

@@ -651,7 +651,7 @@ def expected_clip(host: list[np.ndarray], scale: float, coef: np.float32) -> lis
 def test_unscale_norm_is_unscale_plus_the_norm(dtype: Any, scale: float) -> None:
     dev, host = clip_case(21, [dtype])
     twin = [h.copy() for h in host]
-    _, found, norm = _ops.unscale_norm(CP, dev, scale)
+    _, found, norm = _ops.unscale_and_norm(CP, dev, scale)
     _, want = _ops.unscale(NP, host, scale)  # host now holds what unscale stores
     assert isinstance(found, cupy.ndarray)
     assert found.shape == ()
@@ -664,14 +664,14 @@ def test_unscale_norm_is_unscale_plus_the_norm(dtype: Any, scale: float) -> None
     assert np.isfinite(ref)
     assert ref > 0
     assert ulps(got, ref) <= 1, (got, ref)
-    _, _, numpy_norm = _ops.unscale_norm(NUMPY, twin, scale)
+    _, _, numpy_norm = _ops.unscale_and_norm(NUMPY, twin, scale)
     assert ulps(got, numpy_norm) <= 1, (got, numpy_norm)
 
 
 def test_unscale_norm_of_a_mixed_tree() -> None:
     dev, host = clip_case(22, DTYPES)
     tree = {"layers": [dev[:8], {"h": dev[8:16]}], "rest": tuple(dev[16:])}
-    _, found, norm = _ops.unscale_norm(CP, tree, 512.0)
+    _, found, norm = _ops.unscale_and_norm(CP, tree, 512.0)
     _ops.unscale(NP, host, 512.0)
     assert not bool(found.get())
     for d, h in zip(dev, host, strict=True):
@@ -686,7 +686,7 @@ def test_a_non_finite_value_gives_the_flag_and_a_non_finite_norm(
 ) -> None:
     dev, host = clip_case(23, [dtype])
     set_value(dev[4], host[4], 17, planted)  # the multi-chunk leaf
-    _, found, norm = _ops.unscale_norm(CP, dev, 4.0)
+    _, found, norm = _ops.unscale_and_norm(CP, dev, 4.0)
     _, want = _ops.unscale(NP, host, 4.0)
     assert bool(found.get()) is bool(want) is True
     got = host_norm(norm)
@@ -697,10 +697,10 @@ def test_a_non_finite_value_gives_the_flag_and_a_non_finite_norm(
 
 def test_an_empty_tree_has_norm_zero() -> None:
     for grads in ([], [cupy.zeros(0, np.float32)], {"a": None}):
-        _, found, norm = _ops.unscale_norm(CP, grads, 2.0)
+        _, found, norm = _ops.unscale_and_norm(CP, grads, 2.0)
         assert not bool(found.get())
         assert host_norm(norm) == 0.0
-        _, found, norm = _ops.unscale_clip(CP, grads, 2.0, 1.0)
+        _, found, norm = _ops.unscale_and_clip(CP, grads, 2.0, 1.0)
         assert not bool(found.get())
         assert host_norm(norm) == 0.0
 
@@ -716,7 +716,7 @@ def test_unscale_clip_equals_the_reference_arithmetic(
     with np.errstate(all="ignore"):
         ref_norm = exact_norm([np.asarray(unscaled_copy(h, inv)) for h in host])
     max_norm = float(ref_norm) / 3.0 if clips else 1e30
-    _, found, norm = _ops.unscale_clip(CP, dev, scale, max_norm)
+    _, found, norm = _ops.unscale_and_clip(CP, dev, scale, max_norm)
     assert not bool(found.get())
     got_norm = host_norm(norm)
     assert ulps(got_norm, ref_norm) <= 1, (got_norm, ref_norm)
@@ -734,9 +734,9 @@ def test_unscale_clip_equals_the_reference_arithmetic(
 def test_unscale_clip_of_a_mixed_tree_and_its_norm_is_unscale_norms() -> None:
     dev, host = clip_case(32, DTYPES)
     twin, _ = clip_case(32, DTYPES)
-    _, _, norm_once = _ops.unscale_norm(CP, twin, 8.0)
+    _, _, norm_once = _ops.unscale_and_norm(CP, twin, 8.0)
     tree = {"a": dev[:13], "b": {"c": dev[13:], "d": None}}
-    _, found, norm = _ops.unscale_clip(CP, tree, 8.0, 0.5)
+    _, found, norm = _ops.unscale_and_clip(CP, tree, 8.0, 0.5)
     assert not bool(found.get())
     got = host_norm(norm)
     assert got.view(np.uint32) == host_norm(norm_once).view(np.uint32)  # the same sums
@@ -748,8 +748,8 @@ def test_unscale_clip_of_a_mixed_tree_and_its_norm_is_unscale_norms() -> None:
 
 def test_unscale_clip_matches_the_numpy_backends() -> None:
     dev, host = clip_case(33, DTYPES)
-    _, found, norm = _ops.unscale_clip(CP, dev, 1024.0, 2.0)
-    _, want_found, want_norm = _ops.unscale_clip(NUMPY, host, 1024.0, 2.0)
+    _, found, norm = _ops.unscale_and_clip(CP, dev, 1024.0, 2.0)
+    _, want_found, want_norm = _ops.unscale_and_clip(NUMPY, host, 1024.0, 2.0)
     assert bool(found.get()) is bool(want_found) is False
     got = host_norm(norm)
     assert ulps(got, want_norm) <= 1
@@ -760,7 +760,7 @@ def test_unscale_clip_matches_the_numpy_backends() -> None:
 
 def test_a_norm_past_float32s_range_clips_to_zero_like_pytorch() -> None:
     g = device_copy(np.array([3e38, -3e38, 1.0, -0.0], np.float32))
-    _, found, norm = _ops.unscale_clip(CP, [g], 1.0, 1.0)
+    _, found, norm = _ops.unscale_and_clip(CP, [g], 1.0, 1.0)
     assert not bool(found.get())  # every value is finite
     assert host_norm(norm) == np.inf
     assert clip_coefficient(np, np.float32(np.inf), 1.0) == 0.0
@@ -773,7 +773,7 @@ def test_a_skipped_step_writes_nothing(dtype: Any, planted: float) -> None:
     dev, host = clip_case(41, [dtype])
     set_value(dev[6], host[6], 100, planted)  # the strided leaf
     before = [raw(d) for d in dev]
-    _, found, norm = _ops.unscale_clip(CP, dev, 65536.0, 1e-3)
+    _, found, norm = _ops.unscale_and_clip(CP, dev, 65536.0, 1e-3)
     assert bool(found.get())
     assert not np.isfinite(host_norm(norm))
     for d, b in zip(dev, before, strict=True):
@@ -790,7 +790,7 @@ def test_reduce_decides_the_skip() -> None:
 
     dev, _ = fresh(host)
     before = [raw(d) for d in dev]
-    _, found, norm = _ops.unscale_clip(CP, dev, 4.0, 0.5, reduce=always_skip)
+    _, found, norm = _ops.unscale_and_clip(CP, dev, 4.0, 0.5, reduce=always_skip)
     [flag] = seen
     assert isinstance(flag, cupy.ndarray)
     assert flag.shape == ()
@@ -801,15 +801,15 @@ def test_reduce_decides_the_skip() -> None:
     for d, b in zip(dev, before, strict=True):
         np.testing.assert_array_equal(raw(d), b)
     dev, _ = fresh(host)
-    _ops.unscale_clip(CP, dev, 4.0, 0.5, reduce=lambda flag: True)  # a host answer works too
+    _ops.unscale_and_clip(CP, dev, 4.0, 0.5, reduce=lambda flag: True)  # a host answer works too
     for d, b in zip(dev, before, strict=True):
         np.testing.assert_array_equal(raw(d), b)
     # A reduce that keeps the step gives exactly the result without one.
     dev, _ = fresh(host)
     plain, _ = fresh(host)
     other = cupy.asarray(False)
-    _, found, _ = _ops.unscale_clip(CP, dev, 4.0, 0.5, reduce=lambda flag: CP.any(flag, other))
-    _ops.unscale_clip(CP, plain, 4.0, 0.5)
+    _, found, _ = _ops.unscale_and_clip(CP, dev, 4.0, 0.5, reduce=lambda flag: CP.any(flag, other))
+    _ops.unscale_and_clip(CP, plain, 4.0, 0.5)
     assert bool(found.get()) is False
     for d, p in zip(dev, plain, strict=True):
         assert_same_bits(to_host(d), to_host(p))
@@ -826,9 +826,9 @@ def test_norms_and_clipping_are_deterministic() -> None:
     runs = []
     for _ in range(3):
         dev, _ = fresh(host)
-        _, _, n1 = _ops.unscale_norm(CP, dev, 2.0)
+        _, _, n1 = _ops.unscale_and_norm(CP, dev, 2.0)
         dev, _ = fresh(host)
-        _, _, n2 = _ops.unscale_clip(CP, dev, 2.0, 1.0)
+        _, _, n2 = _ops.unscale_and_clip(CP, dev, 2.0, 1.0)
         runs.append((host_norm(n1).view(np.uint32), host_norm(n2).view(np.uint32), dev))
     assert len({(int(a), int(b)) for a, b, _ in runs}) == 1
     assert runs[0][0] == runs[0][1]
@@ -843,7 +843,7 @@ def test_device_scale_and_the_functional_api_give_the_host_scale_result() -> Non
     host = clip_case(52, DTYPES)[1]
     a, _ = fresh(host)
     b, _ = fresh(host)
-    _, fa, na = _ops.unscale_clip(CP, a, state.scale, 0.25)
+    _, fa, na = _ops.unscale_and_clip(CP, a, state.scale, 0.25)
     _, fb, nb = sc.unscale_and_clip(b, 3.0, 0.25)
     assert bool(fa.get()) is bool(fb.get()) is False
     assert host_norm(na).view(np.uint32) == host_norm(nb).view(np.uint32)
@@ -852,7 +852,7 @@ def test_device_scale_and_the_functional_api_give_the_host_scale_result() -> Non
     c, _ = fresh(host)
     d, _ = fresh(host)
     _, _, nc = sc.unscale_and_norm(c, state)
-    _, _, nd = _ops.unscale_norm(CP, d, 3.0)
+    _, _, nd = _ops.unscale_and_norm(CP, d, 3.0)
     assert host_norm(nc).view(np.uint32) == host_norm(nd).view(np.uint32)
 
 
@@ -860,16 +860,16 @@ def test_refused_norm_and_clip_calls_modify_nothing() -> None:
     good = cupy.full(5, 4.0, np.float32)
     for max_norm in (0.0, float("nan"), True, 1e39):
         with pytest.raises(sc.InvalidArgumentError, match="max_norm="):
-            _ops.unscale_clip(CP, [good], 2.0, max_norm)
+            _ops.unscale_and_clip(CP, [good], 2.0, max_norm)
     for call in (
-        lambda: _ops.unscale_norm(CP, [good, cupy.ones(3, np.int32)], 2.0),
-        lambda: _ops.unscale_clip(CP, [good, cupy.ones(3, np.int32)], 2.0, 1.0),
-        lambda: _ops.unscale_clip(CP, [good], 0.0, 1.0),
+        lambda: _ops.unscale_and_norm(CP, [good, cupy.ones(3, np.int32)], 2.0),
+        lambda: _ops.unscale_and_clip(CP, [good, cupy.ones(3, np.int32)], 2.0, 1.0),
+        lambda: _ops.unscale_and_clip(CP, [good], 0.0, 1.0),
     ):
         with pytest.raises(sc.InvalidGradientError):
             call()
     with pytest.raises(sc.GradientTypeError, match=r"reduce\(found\)="):
-        _ops.unscale_clip(CP, [good], 2.0, 1.0, reduce=lambda flag: "no")
+        _ops.unscale_and_clip(CP, [good], 2.0, 1.0, reduce=lambda flag: "no")
     assert to_host(good).tolist() == [4.0] * 5
 
 
@@ -883,9 +883,9 @@ def test_norm_and_clip_perform_no_host_sync(monkeypatch: pytest.MonkeyPatch) -> 
     other = cupy.asarray(False)
     one = sc_cupy.to_device(sc.init(sc.ScalerConfig(init_scale=1.0))).scale
     # Warm up (scale 1, no clipping: nothing changes): compile the kernels, upload the tables.
-    _ops.unscale_norm(CP, grads, one)
-    _ops.unscale_clip(CP, grads, one, 1e30, reduce=lambda flag: CP.any(flag, other))
-    _ops.unscale_clip(CP, grads, 1.0, 1e30)
+    _ops.unscale_and_norm(CP, grads, one)
+    _ops.unscale_and_clip(CP, grads, one, 1e30, reduce=lambda flag: CP.any(flag, other))
+    _ops.unscale_and_clip(CP, grads, 1.0, 1e30)
     cupy.cuda.Stream.null.synchronize()
     for name in _SYNCING:
         monkeypatch.setattr(cupy.ndarray, name, _forbid, raising=False)
@@ -894,11 +894,11 @@ def test_norm_and_clip_perform_no_host_sync(monkeypatch: pytest.MonkeyPatch) -> 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)  # allow_synchronize is "experimental"
         with guard(False) if guard is not None else _Null():
-            _, f1, n1 = _ops.unscale_norm(CP, grads, state.scale)  # 256 -> 1, 512 -> 2
-            _, f2, n2 = _ops.unscale_clip(
+            _, f1, n1 = _ops.unscale_and_norm(CP, grads, state.scale)  # 256 -> 1, 512 -> 2
+            _, f2, n2 = _ops.unscale_and_clip(
                 CP, grads, state.scale, 1e30, reduce=lambda flag: CP.any(flag, other)
             )  # -> 2**-8, 2**-7; no clipping
-            _, f3, n3 = _ops.unscale_clip(CP, grads, 1.0, 1e-3)  # clipped
+            _, f3, n3 = _ops.unscale_and_clip(CP, grads, 1.0, 1e-3)  # clipped
             new_state = sc.update(state, CP.any(f1, f2, f3))
     monkeypatch.undo()
     assert not bool(CP.any(f1, f2, f3).get())
@@ -928,5 +928,5 @@ def test_the_clip_coefficient_is_pytorchs() -> None:
     [want] = expected_clip([host], 1.0, coef)
     assert_same_bits(p.grad.cpu().numpy(), want)
     ours = device_copy(host)
-    _, _, norm = _ops.unscale_clip(CP, [ours], 1.0, 0.5)
+    _, _, norm = _ops.unscale_and_clip(CP, [ours], 1.0, 0.5)
     assert abs(float(host_norm(norm)) / float(total.item()) - 1.0) < 1e-5

@@ -1,7 +1,7 @@
 """The norm in the unscale pass, and clipping folded in: every backend, every NumPy path.
 
 What is checked: the norm equals the exactly rounded norm of the stored unscaled
-values within one float32 ulp; unscale_norm writes exactly what unscale writes;
+values within one float32 ulp; unscale_and_norm writes exactly what unscale writes;
 clipping stores PyTorch's arithmetic (the unscaled value times its float32
 coefficient); a skipped step (inf planted, or a reduce that says skip) writes
 nothing; PyTorch's clip_grad_norm_ gives the same coefficient and the same
@@ -87,7 +87,7 @@ def test_unscale_norm_writes_what_unscale_writes_and_the_norm_is_exact(
     want = _copy(tree)
     _ops.unscale(REFERENCE, want, scale)
     got = _copy(tree)
-    _, found, norm = _ops.unscale_norm(backend, got, scale)
+    _, found, norm = _ops.unscale_and_norm(backend, got, scale)
     assert all(np.array_equal(g, w) for g, w in zip(got, want, strict=True))
     assert not found
     assert type(norm) is np.float32
@@ -104,7 +104,7 @@ def test_clip_stores_the_unscaled_value_times_pytorchs_coefficient(
     scale = 2.0**power + (0.5 if power > 2 else 0.0)  # not only powers of two
     inv = np.float32(1.0) / np.float32(scale)
     got = _copy(tree)
-    _, found, norm = _ops.unscale_clip(backend, got, scale, max_norm)
+    _, found, norm = _ops.unscale_and_clip(backend, got, scale, max_norm)
     assert not found
     unscaled = [unscaled_copy(a, float(inv)) for a in tree]
     assert _ulps(float(norm), _exact_norm(unscaled)) <= 1
@@ -119,7 +119,7 @@ def test_clip_stores_the_unscaled_value_times_pytorchs_coefficient(
 def test_the_norm_is_the_same_on_every_numpy_path(path: str) -> None:
     rng = np.random.default_rng(3)
     tree = [rng.standard_normal(n).astype(np.float32) for n in (300_001, 5, 131_072, 64)]
-    norms = {name: _ops.unscale_norm(_backend(name), _copy(tree), 8.0)[2] for name in PATHS}
+    norms = {name: _ops.unscale_and_norm(_backend(name), _copy(tree), 8.0)[2] for name in PATHS}
     mine = norms[path]
     assert all(_ulps(float(mine), float(n)) <= 1 for n in norms.values())
 
@@ -131,7 +131,7 @@ def test_a_skipped_step_writes_nothing(path: str, dtype: Any) -> None:
     tree = [np.linspace(-3, 3, 1000).astype(dtype), np.ones(40, dtype)]
     tree[1][7] = np.inf
     before = [a.tobytes() for a in tree]
-    _, found, norm = _ops.unscale_clip(backend, tree, 4.0, 0.5)
+    _, found, norm = _ops.unscale_and_clip(backend, tree, 4.0, 0.5)
     assert found
     assert not math.isfinite(float(norm))
     assert [a.tobytes() for a in tree] == before
@@ -147,7 +147,7 @@ def test_reduce_decides_and_a_skip_it_demands_writes_nothing(path: str) -> None:
         seen.append(bool(found))
         return np.bool_(True)  # another replica overflowed
 
-    _, found, _ = _ops.unscale_clip(backend, tree, 2.0, 1.0, reduce)
+    _, found, _ = _ops.unscale_and_clip(backend, tree, 2.0, 1.0, reduce)
     assert seen == [False]
     assert bool(found)
     assert np.all(tree[0] == 3.0)
@@ -158,7 +158,7 @@ def test_reduce_decides_and_a_skip_it_demands_writes_nothing(path: str) -> None:
 def test_a_bad_max_norm_is_refused_before_anything_changes(path: str, bad: Any) -> None:
     tree = [np.full(10, 4.0, np.float32)]
     with pytest.raises(sc.InvalidArgumentError, match="max_norm="):
-        _ops.unscale_clip(_backend(path), tree, 2.0, bad)
+        _ops.unscale_and_clip(_backend(path), tree, 2.0, bad)
     assert np.all(tree[0] == 4.0)
 
 
@@ -277,3 +277,25 @@ def test_a_tensor_given_twice_counts_once_as_unscale_treats_it_once() -> None:
     assert t.tolist() == [6.0, 8.0]
     a = np.array([6.0, 8.0], np.float32) * 4
     assert float(sc.unscale_and_clip([a, a], 4.0, 100.0)[2]) == 10.0
+
+
+@pytest.mark.parametrize("path", list(PATHS))
+def test_clipping_arrays_that_share_memory_reads_every_one_before_writing(path: str) -> None:
+    """Two views overlapping in memory: each is clipped from its values before the
+    call (all read, then all written, the later array's write last), as PyTorch's
+    ``_foreach_mul_`` of unscaled copies would store them."""
+    rng = np.random.default_rng(11)
+    base = (rng.standard_normal(50) * 64).astype(np.float32)
+    want_base = base.copy()
+    views = [base[:30], base[20:]]
+    scale, max_norm = 64.0, 0.5
+    inv = float(np.float32(1.0) / np.float32(scale))
+    unscaled = [unscaled_copy(v, inv) for v in (want_base[:30].copy(), want_base[20:].copy())]
+    _, found, norm = _ops.unscale_and_clip(_backend(path), views, scale, max_norm)
+    assert not found
+    assert _ulps(float(norm), _exact_norm(unscaled)) <= 1
+    coef = _coefficient(norm, max_norm)
+    assert coef < 1.0  # the clip really scales
+    clip_in_place(want_base[:30], unscaled[0], coef)
+    clip_in_place(want_base[20:], unscaled[1], coef)
+    assert base.tobytes() == want_base.tobytes()

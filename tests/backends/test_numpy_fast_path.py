@@ -763,7 +763,7 @@ def _bits(arrays: list[np.ndarray]) -> list[bytes]:
 def test_torch_cpu_clip_without_numba_runs_pytorchs_kernels_with_the_same_bits(
     monkeypatch: pytest.MonkeyPatch, scale: float, max_norm: float, sizes: tuple[int, ...]
 ) -> None:
-    """Without numba, ``unscale_clip`` on CPU tensors runs on PyTorch's kernels (the
+    """Without numba, ``unscale_and_clip`` on CPU tensors runs on PyTorch's kernels (the
     NumPy pure path is not called) and stores the bits, flag and norm that numba's
     kernels and the reference give."""
     torch = pytest.importorskip("torch")
@@ -772,20 +772,21 @@ def test_torch_cpu_clip_without_numba_runs_pytorchs_kernels_with_the_same_bits(
 
     pure = fused.NumpyBackend(use_numba=False)
     monkeypatch.setattr(_numpy, "BACKEND", pure)
-    monkeypatch.setattr(pure, "unscale_clip", None)  # the route must not come here
+    monkeypatch.setattr(pure, "measure", None)  # the route must not come here
+    monkeypatch.setattr(pure, "measure_planned", None)
     calls = []
     measure = _torch_host.measure
     monkeypatch.setattr(_torch_host, "measure", lambda *a: calls.append(1) or measure(*a))
     for seed in range(3):
         tensors = _torch_tree(torch, seed, _TORCH_DTYPES, sizes)
         hosts = [_host(t) for t in tensors]
-        _, found, norm = _ops.unscale_clip(TORCH, tensors, scale, max_norm)
+        _, found, norm = _ops.unscale_and_clip(TORCH, tensors, scale, max_norm)
         want = {"reference": REFERENCE}
         if HAVE_NUMBA:
             want["numba"] = fused.NumpyBackend(use_numba=True)
         for name, backend in want.items():
             copies = [h.copy() for h in hosts]
-            _, w_found, w_norm = _ops.unscale_clip(backend, copies, scale, max_norm)
+            _, w_found, w_norm = _ops.unscale_and_clip(backend, copies, scale, max_norm)
             assert bool(found) == bool(w_found), name
             assert np.float32(norm).tobytes() == np.float32(w_norm).tobytes(), (name, norm, w_norm)
             assert _bits([_host(t) for t in tensors]) == _bits(copies), name
@@ -818,8 +819,8 @@ def test_torch_cpu_clip_without_numba_regathers_small_tensors_beyond_the_hold(
         for i, n in enumerate(sizes)
     ]
     hosts = [_host(t) for t in tensors]
-    _, found, norm = _ops.unscale_clip(TORCH, tensors, scale, 1.0)
-    _, w_found, w_norm = _ops.unscale_clip(REFERENCE, hosts, scale, 1.0)
+    _, found, norm = _ops.unscale_and_clip(TORCH, tensors, scale, 1.0)
+    _, w_found, w_norm = _ops.unscale_and_clip(REFERENCE, hosts, scale, 1.0)
     assert not found  # a step: the write ran
     assert held == [None] * 4  # every dtype's small tensors were beyond the hold
     assert bool(found) == bool(w_found)
@@ -840,15 +841,17 @@ def test_torch_cpu_clip_without_numba_writes_nothing_on_a_skip(
         tensors = _torch_tree(torch, 5, dtypes, (1000, 300_001, 3, 64))
         tensors[2][1] = bad
         hosts = [_host(t) for t in tensors]
-        _, found, norm = _ops.unscale_clip(TORCH, tensors, 1024.0, 1.0)
-        _, w_found, w_norm = _ops.unscale_clip(REFERENCE, [h.copy() for h in hosts], 1024.0, 1.0)
+        _, found, norm = _ops.unscale_and_clip(TORCH, tensors, 1024.0, 1.0)
+        _, w_found, w_norm = _ops.unscale_and_clip(
+            REFERENCE, [h.copy() for h in hosts], 1024.0, 1.0
+        )
         assert bool(found)
         assert bool(w_found)
         assert np.isnan(float(norm)) == np.isnan(float(w_norm))
         assert _bits([_host(t) for t in tensors]) == _bits(hosts)
     # an overflow made by the unscale itself (a scale below 1) is found, nothing written
     big = [torch.full((10,), 3e38)]
-    _, found, _ = _ops.unscale_clip(TORCH, big, 0.5, 1.0)
+    _, found, _ = _ops.unscale_and_clip(TORCH, big, 0.5, 1.0)
     assert bool(found)
     assert big[0][0].item() == pytest.approx(3e38)
 
@@ -867,8 +870,8 @@ def test_torch_cpu_clip_without_numba_leaves_shared_and_strided_tensors_to_numpy
     for tensors in ([base[:30], base[20:]], [base.view(8, 5).t()]):
         assert _torch_host.plan(tensors) is None
         copies = [np.array(t.numpy()) for t in tensors]
-        _, _, norm = _ops.unscale_clip(TORCH, tensors, 64.0, 1.0)
-        _, _, w_norm = _ops.unscale_clip(REFERENCE, copies, 64.0, 1.0)
+        _, _, norm = _ops.unscale_and_clip(TORCH, tensors, 64.0, 1.0)
+        _, _, w_norm = _ops.unscale_and_clip(REFERENCE, copies, 64.0, 1.0)
         assert float(norm) == float(w_norm)
 
 
@@ -890,8 +893,8 @@ def test_torch_cpu_clip_without_numba_at_the_edges_of_the_range(
     values = rng.standard_normal(200_000) * magnitude
     tensors = [torch.from_numpy(values.astype(dtype)), torch.from_numpy(values[:77].astype(dtype))]
     hosts = [_host(t) for t in tensors]
-    _, found, norm = _ops.unscale_clip(TORCH, tensors, 2.0**16, 1e-30)
-    _, w_found, w_norm = _ops.unscale_clip(REFERENCE, hosts, 2.0**16, 1e-30)
+    _, found, norm = _ops.unscale_and_clip(TORCH, tensors, 2.0**16, 1e-30)
+    _, w_found, w_norm = _ops.unscale_and_clip(REFERENCE, hosts, 2.0**16, 1e-30)
     assert bool(found) == bool(w_found)
     assert np.float32(norm).tobytes() == np.float32(w_norm).tobytes()
     assert _bits([_host(t) for t in tensors]) == _bits(hosts)
@@ -923,8 +926,8 @@ def test_torch_cpu_route_reads_addresses_and_keeps_the_bits(
     tensor, more than PyTorch's own pair spends on small ones): only half types and
     tensors that are not one block go through views. Without numba, contiguous sets
     run on PyTorch's kernels, others on NumPy views. Negative views are their memory
-    negated. Bits, flag and norm are the reference's, for unscale_clip and
-    unscale_norm, on every route."""
+    negated. Bits, flag and norm are the reference's, for unscale_and_clip and
+    unscale_and_norm, on every route."""
     torch = pytest.importorskip("torch")
     if numba and not HAVE_NUMBA:
         pytest.skip("numba is not installed")
@@ -941,11 +944,11 @@ def test_torch_cpu_route_reads_addresses_and_keeps_the_bits(
             hosts = [_host(t.resolve_neg()) for t in tensors]
             viewed.clear()
             if op == "clip":
-                _, found, norm = _ops.unscale_clip(TORCH, tensors, scale, max_norm)
-                _, w_found, w_norm = _ops.unscale_clip(REFERENCE, hosts, scale, max_norm)
+                _, found, norm = _ops.unscale_and_clip(TORCH, tensors, scale, max_norm)
+                _, w_found, w_norm = _ops.unscale_and_clip(REFERENCE, hosts, scale, max_norm)
             else:
-                _, found, norm = _ops.unscale_norm(TORCH, tensors, scale)
-                _, w_found, w_norm = _ops.unscale_norm(REFERENCE, hosts, scale)
+                _, found, norm = _ops.unscale_and_norm(TORCH, tensors, scale)
+                _, w_found, w_norm = _ops.unscale_and_norm(REFERENCE, hosts, scale)
             assert bool(found) == bool(w_found)
             assert np.float32(norm).tobytes() == np.float32(w_norm).tobytes(), (op, norm, w_norm)
             assert _bits([_host(t.resolve_neg()) for t in tensors]) == _bits(hosts), op
@@ -974,8 +977,8 @@ def test_torch_cpu_route_with_numba_leaves_overlapping_tensors_to_the_reference(
         [], {np.dtype(np.float32): ([t.data_ptr() for t in tensors], [30, 20])}, tensors
     ).aliased
     copy = base.numpy().copy()
-    _, _, norm = _ops.unscale_clip(TORCH, tensors, 64.0, 1.0)
-    _, _, w_norm = _ops.unscale_clip(REFERENCE, [copy[:30], copy[20:]], 64.0, 1.0)
+    _, _, norm = _ops.unscale_and_clip(TORCH, tensors, 64.0, 1.0)
+    _, _, w_norm = _ops.unscale_and_clip(REFERENCE, [copy[:30], copy[20:]], 64.0, 1.0)
     assert float(norm) == float(w_norm)
     assert base.numpy().tobytes() == copy.tobytes()
 

@@ -231,7 +231,7 @@ def test_float16_duplicates_that_overflow_only_once_summed_are_seen_by_every_che
     assert bool(sc.unscale([grad.clone()], 1.0)[1])
     assert bool(sc.find_non_finite([grad]))
     facade = sc.GradScaler()
-    assert bool(facade.detect([grad]))
+    assert bool(facade.find_non_finite([grad]))
     assert [str(r) for r in sc.non_finite_leaves({"emb": grad})] == ["grads['emb']: 1 inf, 0 nan"]
     assert not grad.is_coalesced()  # the read-only checks left the caller's tensor as it was
 
@@ -365,7 +365,7 @@ def test_the_device_route_clips_with_pytorchs_coefficient_and_a_skip_leaves_valu
         assert torch.equal(p.grad.view(torch.uint8), o.view(torch.uint8))
     # a skip decided by reduce (another group's inf): unscaled, not clipped
     skipped = [t.clone() for t in host]
-    _, found, _ = _ops.unscale_clip(BACKEND, skipped, scale, max_norm, lambda f: f | True)
+    _, found, _ = _ops.unscale_and_clip(BACKEND, skipped, scale, max_norm, lambda f: f | True)
     assert bool(found)
     for u, s in zip(unscaled, skipped, strict=True):
         assert torch.equal(u.view(torch.uint8), s.view(torch.uint8))

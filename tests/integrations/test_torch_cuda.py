@@ -172,7 +172,7 @@ def test_unscale_and_clip_on_cuda_never_synchronises_and_clips_as_pytorch() -> N
         results = []
         for _, ours, skipped in cases:
             _, found, norm = sc.unscale_and_clip(ours, scale, 0.5)
-            _, skip, _ = _ops.unscale_clip(backend, skipped, scale, 0.5, lambda f: f | True)
+            _, skip, _ = _ops.unscale_and_clip(backend, skipped, scale, 0.5, lambda f: f | True)
             results.append((found, norm, skip))
     finally:
         torch.cuda.set_sync_debug_mode("default")

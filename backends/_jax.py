@@ -20,8 +20,7 @@ time.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -35,25 +34,25 @@ from scaler_core._errors import (
     InvalidConfigError,
 )
 from scaler_core._f32 import FLT_MIN, f32, is_f32_exact
+from scaler_core._ops import clip_coefficient
 from scaler_core._registration import register_pytree
 from scaler_core._state import ScalerState, convert_fields, device_update, require_state
 from scaler_core._tree import first_of_each
 
 from ._common import (
-    CLIP_EPS,
     HALF_DTYPES,
     LeafKind,
     check_select_pair,
     flag_error,
     host_flag,
     inv_scale_of,
-    max_norm_of,
 )
 
 __all__ = [
     "BACKEND",
     "LEAVES",
     "JaxBackend",
+    "Prepared",
     "jax_leaves",
     "non_finite",
     "require_float32_factors",
@@ -192,12 +191,6 @@ def _norm(out: list[Any]) -> jax.Array:
     return jnp.sqrt(total).astype(jnp.float32)
 
 
-def clip_factor(norm: jax.Array, max_norm: float) -> jax.Array:
-    """PyTorch's clip coefficient in its float32 steps, clamped at 1."""
-    coef = (jnp.float32(1.0) / (norm + CLIP_EPS)) * jnp.float32(max_norm)
-    return jnp.minimum(coef, jnp.float32(1.0))
-
-
 def _clip_leaf(u: jax.Array, coef: jax.Array) -> jax.Array:
     dtype = np.dtype(u.dtype)
     if dtype in HALF_DTYPES:
@@ -253,58 +246,75 @@ def to_device(state: ScalerState) -> ScalerState:
     )
 
 
+class Prepared(NamedTuple):
+    """What :meth:`JaxBackend.leaves` returns: the tree, flattened once."""
+
+    #: The gradient tree as given (returned as it is where nothing is computed).
+    grads: Any
+    #: Its leaves (``None`` skipped), validated.
+    leaves: list[Any]
+    #: Its structure, to build the new tree the passes return.
+    treedef: Any
+
+
+def _unscaled(leaves: Prepared, scale: Any) -> tuple[list[Any], jax.Array | None]:
+    """The unscaled leaves, and the inverse scale (``None`` when it is statically 1:
+    then the leaves are the given ones)."""
+    inv, is_one = _inv_scale(scale)
+    if is_one:
+        return leaves.leaves, None
+    return [_unscale_leaf(g, inv) for g in leaves.leaves], inv
+
+
 class JaxBackend:
     """Unscale and detection for JAX arrays; the flag is a 0-d boolean ``jax.Array``.
 
-    Functional: :meth:`unscale` returns a new tree. Every method works inside
-    ``jax.jit``, ``vmap``, ``shard_map`` and ``pmap``.
+    Functional: every pass returns a new tree (JAX arrays are immutable, so
+    ``writable`` asks nothing of them). Every method works inside ``jax.jit``,
+    ``vmap``, ``shard_map`` and ``pmap``: the clip pass selects with ``jnp.where``
+    on the traced skip flag, never reading it back.
     """
 
     name = "jax"
 
-    def unscale(self, grads: Any, scale: Any) -> tuple[Any, jax.Array]:
-        """See :meth:`scaler_core.Backend.unscale`: returns a new tree."""
-        inv, is_one = _inv_scale(scale)
+    def leaves(self, grads: Any, *, writable: bool) -> Prepared:
+        """See :meth:`scaler_core.Backend.leaves`: the pytree flattened once, its leaves
+        validated (at trace time: types and dtypes are static)."""
         leaves, treedef, _ = jax_leaves(grads)
-        out = leaves if is_one else [_unscale_leaf(g, inv) for g in leaves]
-        found = non_finite(leaves, None if is_one else inv, out)
-        return jax.tree_util.tree_unflatten(treedef, out), found
+        return Prepared(grads, leaves, treedef)
 
-    def unscale_norm(self, grads: Any, scale: Any) -> tuple[Any, jax.Array, jax.Array]:
-        """See :meth:`scaler_core.Backend.unscale_norm`: a new tree, and the norm."""
-        inv, is_one = _inv_scale(scale)
-        leaves, treedef, _ = jax_leaves(grads)
-        out = leaves if is_one else [_unscale_leaf(g, inv) for g in leaves]
-        found = non_finite(leaves, None if is_one else inv, out)
-        return jax.tree_util.tree_unflatten(treedef, out), found, _norm(out)
+    def unscale(self, leaves: Prepared, scale: Any) -> tuple[Any, jax.Array]:
+        """See :meth:`scaler_core.Backend.unscale`: returns a new tree; with ``scale``
+        ``None``, detection alone and the tree as given."""
+        if scale is None:
+            return leaves.grads, non_finite(leaves.leaves)
+        out, inv = _unscaled(leaves, scale)
+        found = non_finite(leaves.leaves, inv, out)
+        return jax.tree_util.tree_unflatten(leaves.treedef, out), found
 
-    def unscale_clip(
-        self,
-        grads: Any,
-        scale: Any,
-        max_norm: float,
-        reduce: Callable[[Any], Any] | None = None,
+    def measure(
+        self, leaves: Prepared, scale: Any, *, write: bool
     ) -> tuple[Any, jax.Array, jax.Array]:
-        """See :meth:`scaler_core.Backend.unscale_clip`: on a skipped step (decided on the
-        device), the very leaves given; else the unscaled leaves times the coefficient."""
-        limit = max_norm_of(max_norm)
-        inv, is_one = _inv_scale(scale)
-        leaves, treedef, _ = jax_leaves(grads)
-        unscaled = leaves if is_one else [_unscale_leaf(g, inv) for g in leaves]
-        found = non_finite(leaves, None if is_one else inv, unscaled)
-        norm = _norm(unscaled)
-        if reduce is not None:
-            found = _flag(reduce(found))
-        coef = clip_factor(norm, limit)
-        out = [
-            jnp.where(found, g, _clip_leaf(u, coef)) for g, u in zip(leaves, unscaled, strict=True)
-        ]
-        return jax.tree_util.tree_unflatten(treedef, out), found, norm
+        """See :meth:`scaler_core.Backend.measure`: with ``write`` a new tree of the
+        unscaled leaves, without it the tree as given; the flag and norm of the
+        unscaled values either way (XLA fuses them with the unscale under ``jit``)."""
+        out, inv = _unscaled(leaves, scale)
+        found = non_finite(leaves.leaves, inv, out)
+        grads = jax.tree_util.tree_unflatten(leaves.treedef, out) if write else leaves.grads
+        return grads, found, _norm(out)
 
-    def find_non_finite(self, grads: Any) -> jax.Array:
-        """See :meth:`scaler_core.Backend.find_non_finite`."""
-        leaves, _, _ = jax_leaves(grads)
-        return non_finite(leaves)
+    def rescale(self, leaves: Prepared, scale: Any, norm: Any, max_norm: float, skip: Any) -> Any:
+        """See :meth:`scaler_core.Backend.rescale`: a new tree, leaf by leaf the given
+        leaf where ``skip`` (decided on the device: the very values given) and else
+        the unscaled leaf times the clip coefficient."""
+        flag = _flag(skip)
+        unscaled, _ = _unscaled(leaves, scale)
+        coef = clip_coefficient(jnp, norm, max_norm)
+        out = [
+            jnp.where(flag, g, _clip_leaf(u, coef))
+            for g, u in zip(leaves.leaves, unscaled, strict=True)
+        ]
+        return jax.tree_util.tree_unflatten(leaves.treedef, out)
 
     def scale_loss(self, loss: Any, scale: Any) -> jax.Array:
         """See :meth:`scaler_core.Backend.scale_loss`."""

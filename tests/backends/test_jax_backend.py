@@ -15,6 +15,7 @@ jnp = pytest.importorskip("jax.numpy", reason="the JAX backend needs jax")
 ml_dtypes = pytest.importorskip("ml_dtypes")
 
 import scaler_core as sc  # noqa: E402
+from scaler_core import _ops  # noqa: E402
 from scaler_core.backends._jax import BACKEND, to_device  # noqa: E402
 
 NP = sc.get_backend("numpy")
@@ -34,7 +35,11 @@ def _values(dtype: str, n: int = 64, seed: int = 0) -> np.ndarray:
     return x.astype(_np_dtype(dtype))
 
 
-_UNSCALE = jax.jit(BACKEND.unscale)  # one compile per dtype, shared by every case
+def _unscale(grads: Any, scale: Any) -> Any:
+    return _ops.unscale(BACKEND, grads, scale)
+
+
+_UNSCALE = jax.jit(_unscale)  # one compile per dtype, shared by every case
 
 
 class Pair(NamedTuple):
@@ -64,12 +69,12 @@ def test_unscale_under_jit_with_a_traced_scale_matches_numpy(
     if poison is not None:
         host[7] = poison
     with np.errstate(all="ignore"):  # NumPy warns when float16 overflows; that is the point
-        ref, ref_found = NP.unscale([host.copy()], scale)
+        ref, ref_found = _ops.unscale(NP, [host.copy()], scale)
     out, found = _UNSCALE([jnp.asarray(host)], jnp.float32(scale))
     np.testing.assert_array_equal(_bits(out[0]), _bits(ref[0]))
     assert bool(found) == bool(ref_found)
     # A host scale takes the same path, validated on the host.
-    out2, found2 = BACKEND.unscale([jnp.asarray(host)], scale)
+    out2, found2 = _unscale([jnp.asarray(host)], scale)
     np.testing.assert_array_equal(_bits(out2[0]), _bits(ref[0]))
     assert bool(found2) == bool(ref_found)
 
@@ -121,17 +126,17 @@ def test_backend_is_picked_from_jax_arrays_and_tracers() -> None:
 
 def test_numpy_and_jax_reject_the_same_dtypes_with_one_message() -> None:
     with pytest.raises(sc.GradientTypeError) as np_err:
-        NP.unscale([np.ones(2, np.int32)], 2.0)
+        _ops.unscale(NP, [np.ones(2, np.int32)], 2.0)
     with pytest.raises(sc.GradientTypeError) as jax_err:
-        BACKEND.unscale([jnp.ones(2, jnp.int32)], 2.0)
+        _unscale([jnp.ones(2, jnp.int32)], 2.0)
     assert str(np_err.value).split(";")[0] == str(jax_err.value).split(";")[0]
 
 
 def test_device_scale_must_be_a_0d_float() -> None:
     with pytest.raises(sc.GradientValueError, match="0-d float"):
-        BACKEND.unscale([jnp.ones(2)], jnp.ones(2))
+        _unscale([jnp.ones(2)], jnp.ones(2))
     with pytest.raises(sc.GradientValueError, match="0-d float"):
-        BACKEND.unscale([jnp.ones(2)], jnp.asarray(2))
+        _unscale([jnp.ones(2)], jnp.asarray(2))
 
 
 def test_select_under_jit_keeps_nan_payloads_and_negative_zero() -> None:
@@ -249,16 +254,16 @@ def test_detection_over_small_and_large_leaves(where: str) -> None:
     elif where == "small32":
         s32[2, 1] = np.nan
     grads = {"big": jnp.asarray(big), "s16": jnp.asarray(s16), "s32": [jnp.asarray(s32)]}
-    out, found = jax.jit(BACKEND.unscale)(grads, jnp.float32(0.5))
+    out, found = _UNSCALE(grads, jnp.float32(0.5))
     with np.errstate(all="ignore"):
         # Copies: on the CPU jnp.asarray may share memory with the NumPy array, and the
         # jitted call may still be running while the in-place reference writes.
         ref_grads = {"big": big.copy(), "s16": s16.copy(), "s32": [s32.copy()]}
-        ref, ref_found = NP.unscale(ref_grads, 0.5)
+        ref, ref_found = _ops.unscale(NP, ref_grads, 0.5)
     assert bool(found) == bool(ref_found) == (where != "none")
     for a, b in zip(jax.tree_util.tree_leaves(out), jax.tree_util.tree_leaves(ref), strict=True):
         np.testing.assert_array_equal(_bits(a), _bits(b))
-    assert bool(BACKEND.find_non_finite(grads)) == (where in ("big", "small32"))
+    assert bool(_ops.find_non_finite(BACKEND, grads)) == (where in ("big", "small32"))
 
 
 def test_reduce_found_ors_over_a_named_axis_and_facade_works_eagerly() -> None:
@@ -292,10 +297,62 @@ def test_a_bad_device_scale_is_refused_or_fails_closed(bad: float) -> None:
     scale = jnp.asarray(bad, jnp.float32)
     grads = {"w": jnp.ones(3)}
     with pytest.raises(sc.GradientValueError, match="scale="):
-        BACKEND.unscale(grads, scale)
+        _unscale(grads, scale)
     with pytest.raises(sc.GradientValueError, match="scale="):
         BACKEND.scale_loss(jnp.ones(()), scale)
-    out, found = jax.jit(BACKEND.unscale)(grads, scale)
+    out, found = _UNSCALE(grads, scale)
     assert bool(found)
     assert not np.isfinite(np.asarray(out["w"])).any()
     assert not np.isfinite(float(jax.jit(BACKEND.scale_loss)(jnp.ones(()), scale)))
+
+
+def test_clip_decides_on_the_device_and_a_skip_returns_the_given_leaves() -> None:
+    """The rescale pass selects on the traced decision (one trace for both values, no
+    host transfer): a skipped step gives the gradients as given, bit for bit; a step,
+    the unscaled values times the coefficient of the measured norm."""
+    from scaler_core.backends._numpy_reference import clip_in_place, unscaled_copy
+
+    host = {"h": np.asarray([3e4, -2e4, 1.0, 0.5], np.float16), "f": _values("float32", 9)}
+    grads = jax.tree_util.tree_map(jnp.asarray, host)
+    traces = []
+
+    @jax.jit
+    def clip(g: Any, scale: Any, other: Any) -> Any:
+        traces.append(1)
+        return _ops.unscale_clip(BACKEND, g, scale, 1.0, lambda found: found | other)
+
+    scale, true, false = jnp.float32(1024.0), jnp.asarray(True), jnp.asarray(False)
+    jax.block_until_ready((grads, scale, true, false))
+    with jax.transfer_guard("disallow"):
+        skipped = clip(grads, scale, true)
+        stepped = clip(grads, scale, false)
+    assert len(traces) == 1
+    out, found, norm = skipped
+    assert bool(found)
+    for a, b in zip(jax.tree_util.tree_leaves(out), jax.tree_util.tree_leaves(grads), strict=True):
+        np.testing.assert_array_equal(_bits(a), _bits(b))
+    out, found, norm = stepped
+    assert not bool(found)
+    np.testing.assert_array_equal(_bits(norm), _bits(skipped[2]))
+    coef = _ops.clip_coefficient(np, np.float32(norm), 1.0)
+    assert coef < 1.0
+    for key, g in host.items():
+        want = g.copy()
+        clip_in_place(want, unscaled_copy(g, 1.0 / 1024.0), coef)
+        np.testing.assert_array_equal(_bits(out[key]), _bits(want))
+
+
+def test_the_passes_return_the_given_tree_where_they_compute_no_new_one() -> None:
+    grads = {"w": jnp.asarray([2.0, jnp.inf])}
+    prepared = BACKEND.leaves(grads, writable=False)
+    same, found = BACKEND.unscale(prepared, None)  # detection alone
+    assert same is grads
+    assert bool(found)
+    same, found, norm = BACKEND.measure(prepared, 2.0, write=False)
+    assert same is grads
+    assert bool(found)
+    assert not np.isfinite(float(norm))
+    new, found, _ = BACKEND.measure(prepared, 2.0, write=True)
+    assert new is not grads
+    assert new["w"].tolist() == [1.0, float("inf")]
+    assert grads["w"].tolist() == [2.0, float("inf")]  # functional: nothing modified

@@ -539,25 +539,33 @@ def _check_norm_and_clip(c: _Check) -> None:
         exact = _exact_norm([want])
         out, found, norm = c.unscale_and_norm([c.array(host.copy())], 1024.0)
         if not _same_bits(c.host(out[0]), want):
-            raise c.fail(f"unscale_norm of {dtype} did not store unscale()'s values")
+            raise c.fail(f"unscale_and_norm of {dtype} did not store unscale()'s values")
         got = float(c.host(norm))
-        if c.flag(found, "unscale_norm()") or abs(got - exact) > 1e-6 * exact:
-            raise c.fail(f"unscale_norm of {dtype} gave norm {got!r}, the exact one is {exact!r}")
+        if c.flag(found, "unscale_and_norm()") or abs(got - exact) > 1e-6 * exact:
+            raise c.fail(
+                f"unscale_and_norm of {dtype} gave norm {got!r}, the exact one is {exact!r}"
+            )
         out, found, norm = c.unscale_and_clip([c.array(host.copy())], 1024.0, 1.0)
         coef = _coefficient(float(c.host(norm)), 1.0)
-        if c.flag(found, "unscale_clip()") or not _same_bits(c.host(out[0]), _clipped(want, coef)):
-            raise c.fail(f"unscale_clip of {dtype} did not store the unscaled values times {coef}")
+        if c.flag(found, "unscale_and_clip()") or not _same_bits(
+            c.host(out[0]), _clipped(want, coef)
+        ):
+            raise c.fail(
+                f"unscale_and_clip of {dtype} did not store the unscaled values times {coef}"
+            )
         bad = host.copy()
         bad[3] = np.nan
         for reduce, grads in ((None, bad), (lambda f: c.backend.any(f, True), host)):
             given = [c.array(grads.copy())]
             out, found, norm = c.unscale_and_clip(given, 1024.0, 1.0, reduce)
-            if not c.flag(found, "unscale_clip()"):
-                raise c.fail(f"unscale_clip of {dtype} did not report the skip")
+            if not c.flag(found, "unscale_and_clip()"):
+                raise c.fail(f"unscale_and_clip of {dtype} did not report the skip")
             if not (_same_bits(c.host(out[0]), grads) and _same_bits(c.host(given[0]), grads)):
-                raise c.fail(f"unscale_clip of {dtype} wrote to the gradients of a skipped step")
+                raise c.fail(
+                    f"unscale_and_clip of {dtype} wrote to the gradients of a skipped step"
+                )
         if math.isfinite(float(c.host(c.unscale_and_norm([c.array(bad.copy())], 1024.0)[2]))):
-            raise c.fail(f"unscale_norm of {dtype} with a NaN gave a finite norm")
+            raise c.fail(f"unscale_and_norm of {dtype} with a NaN gave a finite norm")
     given = [c.array(_values(c.subject.dtypes[-1], 2.0, 5, seed=7))]
     before = c.host(given[0])
     bad_norms: tuple[Any, ...] = (0.0, -1.0, float("inf"), float("nan"), True, "1")
@@ -565,7 +573,7 @@ def _check_norm_and_clip(c: _Check) -> None:
         c.raises(
             InvalidArgumentError,
             functools.partial(c.unscale_and_clip, given, 2.0, max_norm),
-            f"unscale_clip(max_norm={max_norm!r})",
+            f"unscale_and_clip(max_norm={max_norm!r})",
             "max_norm",
         )
     if not _same_bits(c.host(given[0]), before):

@@ -319,7 +319,7 @@ def test_clip_decides_on_the_device_and_a_skip_returns_the_given_leaves() -> Non
     @jax.jit
     def clip(g: Any, scale: Any, other: Any) -> Any:
         traces.append(1)
-        return _ops.unscale_clip(BACKEND, g, scale, 1.0, lambda found: found | other)
+        return _ops.unscale_and_clip(BACKEND, g, scale, 1.0, lambda found: found | other)
 
     scale, true, false = jnp.float32(1024.0), jnp.asarray(True), jnp.asarray(False)
     jax.block_until_ready((grads, scale, true, false))

@@ -66,7 +66,6 @@ __all__ = [
     "PolicyResult",
     "PolicySpec",
     "Trace",
-    "TraceError",
     "example_trace",
     "format_report",
     "load_trace",

@@ -24,7 +24,7 @@ Run them from a plain test function in your own test file::
 
 from typing import Any
 
-from .._errors import MissingDependencyError, PolicyViolationError
+from .._errors import MissingDependencyError
 from ._contract import BACKEND_CHECKS, BackendSubject, check_backend
 
 try:
@@ -53,7 +53,6 @@ __all__ = [
     "BACKEND_CHECKS",
     "BackendSubject",
     "Policy",
-    "PolicyViolationError",
     "check_backend",
     "check_invariants",
     "check_policy",

@@ -20,7 +20,6 @@ from scaler_core._cli.make_traces import grad_maxima
 from scaler_core.simulate import (
     EXAMPLE_TRACES,
     Trace,
-    TraceError,
     example_trace,
     load_trace,
     simulate,
@@ -148,7 +147,7 @@ def test_max_abs_grad_overflow_depends_on_the_dtype() -> None:
 def test_bad_traces_are_refused_by_name(tmp_path: Path, name: str, text: str, message: str) -> None:
     path = tmp_path / name
     path.write_text(text)
-    with pytest.raises(TraceError, match=message.replace("[", r"\[").replace("]", r"\]")):
+    with pytest.raises(sc.TraceError, match=message.replace("[", r"\[").replace("]", r"\]")):
         load_trace(path)
 
 
@@ -252,7 +251,7 @@ def test_hostile_traces_are_one_clear_error(
 ) -> None:
     path = tmp_path / name
     path.write_bytes(content)
-    with pytest.raises(TraceError) as info:
+    with pytest.raises(sc.TraceError) as info:
         load_trace(path)
     assert message in str(info.value)
     assert len(str(info.value)) < 500  # never the 5000 digits back
@@ -344,12 +343,14 @@ def test_a_json_trace_carries_grad_norm_too(tmp_path: Path) -> None:
     assert math.isnan(trace.grad_norm[1])
     bad = tmp_path / "bad.json"
     bad.write_text(json.dumps({"found": [False, True], "grad_norm": [1.0]}))
-    with pytest.raises(TraceError, match="1 grad_norm values for 2 steps"):
+    with pytest.raises(sc.TraceError, match="1 grad_norm values for 2 steps"):
         load_trace(bad)
     bad.write_text(json.dumps({"found": [False], "grad_norm": ["x"]}))
-    with pytest.raises(TraceError, match=r"grad_norm\[0\]: grad_norm='x', but it must be a number"):
+    with pytest.raises(
+        sc.TraceError, match=r"grad_norm\[0\]: grad_norm='x', but it must be a number"
+    ):
         load_trace(bad)
-    with pytest.raises(TraceError, match=r"grad_norm\[0\]=-1\.0"):
+    with pytest.raises(sc.TraceError, match=r"grad_norm\[0\]=-1\.0"):
         Trace(found=(False,), grad_norm=(-1.0,))
 
 
@@ -357,7 +358,7 @@ def test_spike_skipping_on_a_trace_without_grad_norm_is_refused(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     path = _spike_csv(tmp_path / "plain.csv", norms=False)
-    with pytest.raises(TraceError, match="has no grad_norm"):
+    with pytest.raises(sc.TraceError, match="has no grad_norm"):
         simulate(load_trace(path), {"s": sc.ScalerConfig(spike_threshold=3.0)})
     (tmp_path / "spiky_policy.py").write_text(
         "import scaler_core as sc\nspiky = sc.ScalerConfig(spike_threshold=3.0)\n"
@@ -538,7 +539,7 @@ def test_a_trace_recorded_with_spike_skipping_needs_its_norms(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     path = _recorded_json(tmp_path / "rec.json", norms=False)
-    with pytest.raises(TraceError) as err:
+    with pytest.raises(sc.TraceError) as err:
         simulate(load_trace(path), ["torch"])
     for words in ("recorded_with", "spike_threshold=3.0", "grad_norm", "trace 'rec'"):
         assert words in str(err.value), words

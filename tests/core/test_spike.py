@@ -13,10 +13,10 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import scaler_core as sc
+from scaler_core import PolicyViolationError
 from scaler_core._serialize import SCHEMA_VERSION
 from scaler_core._state import COUNTER_FIELDS, DATA_FIELDS, FLOAT_FIELDS, device_update
 from scaler_core.testing import (
-    PolicyViolationError,
     check_invariants,
     check_policy,
     configs,

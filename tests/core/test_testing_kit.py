@@ -12,8 +12,8 @@ import pytest
 from hypothesis import given, settings
 
 import scaler_core as sc
+from scaler_core import PolicyViolationError
 from scaler_core.testing import (
-    PolicyViolationError,
     check_invariants,
     check_policy,
     check_step,

@@ -17,7 +17,8 @@ from typing import Any
 import pytest
 
 import scaler_core as sc
-from scaler_core.testing import PolicyViolationError, check_policy
+from scaler_core import PolicyViolationError
+from scaler_core.testing import check_policy
 
 DOCS = Path(__file__).resolve().parents[2] / "docs"
 #: (page, section title): the sections whose examples are checked here. A page's title

@@ -20,7 +20,7 @@ time.
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -246,24 +246,36 @@ def to_device(state: ScalerState) -> ScalerState:
     )
 
 
-class Prepared(NamedTuple):
-    """What :meth:`JaxBackend.leaves` returns: the tree, flattened once."""
+class Prepared:
+    """What :meth:`JaxBackend.leaves` returns: the tree, flattened once.
 
-    #: The gradient tree as given (returned as it is where nothing is computed).
-    grads: Any
-    #: Its leaves (``None`` skipped), validated.
-    leaves: list[Any]
-    #: Its structure, to build the new tree the passes return.
-    treedef: Any
+    Attributes:
+        grads: The gradient tree as given (returned as it is where nothing is
+            computed).
+        leaves: Its leaves (``None`` skipped), validated.
+        treedef: Its structure, to build the new tree the passes return.
+        unscaled: ``(scale, leaves, inv)`` of the last :func:`_unscaled` call, so
+            the rescale pass reuses the measuring pass's unscaled leaves (eager
+            calls would compute them twice; under ``jit`` XLA merges them anyway).
+    """
+
+    __slots__ = ("grads", "leaves", "treedef", "unscaled")
+
+    def __init__(self, grads: Any, leaves: list[Any], treedef: Any) -> None:
+        self.grads, self.leaves, self.treedef = grads, leaves, treedef
+        self.unscaled: tuple[Any, list[Any], jax.Array | None] | None = None
 
 
 def _unscaled(leaves: Prepared, scale: Any) -> tuple[list[Any], jax.Array | None]:
     """The unscaled leaves, and the inverse scale (``None`` when it is statically 1:
-    then the leaves are the given ones)."""
+    then the leaves are the given ones); computed once per scale and leaves."""
+    kept = leaves.unscaled
+    if kept is not None and kept[0] is scale:
+        return kept[1], kept[2]
     inv, is_one = _inv_scale(scale)
-    if is_one:
-        return leaves.leaves, None
-    return [_unscale_leaf(g, inv) for g in leaves.leaves], inv
+    out = leaves.leaves if is_one else [_unscale_leaf(g, inv) for g in leaves.leaves]
+    leaves.unscaled = (scale, out, None if is_one else inv)
+    return out, None if is_one else inv
 
 
 class JaxBackend:

@@ -236,7 +236,7 @@ class NumpyBackend(NumpyReferenceBackend):
         """See :meth:`scaler_core.Backend.measure`: one pass; with ``write``, reads and
         writes once."""
         inv = inv_scale_of(scale)
-        if _overlaps(leaves.work):
+        if _shares_memory(leaves):
             return REFERENCE.measure(
                 Prepared(leaves.grads, _leaves(leaves.work)), scale, write=write
             )
@@ -257,7 +257,7 @@ class NumpyBackend(NumpyReferenceBackend):
         if self.to_bool(skip):
             return leaves.grads
         inv = inv_scale_of(scale)
-        if _overlaps(leaves.work):
+        if _shares_memory(leaves):
             return REFERENCE.rescale(
                 Prepared(leaves.grads, _leaves(leaves.work)), scale, norm, max_norm, skip
             )
@@ -440,6 +440,13 @@ def _half_unscale(flat: np.ndarray, inv: float, kernels: ModuleType | None) -> b
 
 
 # -- the norm and clipping ----------------------------------------------------
+
+
+def _shares_memory(leaves: Prepared) -> bool:
+    """:func:`_overlaps` of the leaves' work, looked at once per call's leaves."""
+    if leaves.shared is None:
+        leaves.shared = _overlaps(leaves.work)
+    return leaves.shared
 
 
 def _overlaps(prepared: Plan | list[np.ndarray]) -> bool:

@@ -7,7 +7,7 @@ answer for (overlapping arrays).
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import Any
 
 import numpy as np
 
@@ -107,13 +107,22 @@ def clip_in_place(g: np.ndarray, u: np.ndarray, coef: np.float32) -> None:
         np.multiply(u, g.dtype.type(coef), out=g)
 
 
-class Prepared(NamedTuple):
-    """What :meth:`NumpyReferenceBackend.leaves` returns: the tree and its work."""
+class Prepared:
+    """What :meth:`NumpyReferenceBackend.leaves` returns: the tree and its work.
 
-    #: The gradient tree, returned as it is (NumPy works in place).
-    grads: Any
-    #: The validated arrays, each once (the fast backend's may be a plan of them).
-    work: Any
+    Attributes:
+        grads: The gradient tree, returned as it is (NumPy works in place).
+        work: The validated arrays, each once (the fast backend's may be a plan of
+            them).
+        shared: Whether two of the arrays share memory, once the fast backend has
+            looked (``None`` before): its measuring and rescale passes ask alike.
+    """
+
+    __slots__ = ("grads", "shared", "work")
+
+    def __init__(self, grads: Any, work: Any) -> None:
+        self.grads, self.work = grads, work
+        self.shared: bool | None = None
 
 
 class NumpyReferenceBackend:

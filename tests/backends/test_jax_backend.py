@@ -356,3 +356,19 @@ def test_the_passes_return_the_given_tree_where_they_compute_no_new_one() -> Non
     assert new is not grads
     assert new["w"].tolist() == [1.0, float("inf")]
     assert grads["w"].tolist() == [2.0, float("inf")]  # functional: nothing modified
+
+
+def test_an_eager_clip_unscales_each_leaf_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The rescale pass takes the measuring pass's unscaled leaves: outside ``jit``
+    nothing merges the two, so the leaves are unscaled once (one inverse scale made)."""
+    from scaler_core.backends import _jax
+
+    calls: list[int] = []
+    inv_scale = _jax._inv_scale
+    monkeypatch.setattr(_jax, "_inv_scale", lambda s: calls.append(1) or inv_scale(s))
+    grads = {"a": jnp.full(5, 64.0, jnp.float32), "b": jnp.full(3, 128.0, jnp.float16)}
+    out, found, norm = sc.unscale_and_clip(grads, 64.0, 1.0)
+    assert len(calls) == 1
+    assert not bool(found)
+    assert float(norm) == pytest.approx(float(np.sqrt(5 * 1.0 + 3 * 4.0)), rel=1e-6)
+    assert float(out["a"][0]) < 1.0  # clipped

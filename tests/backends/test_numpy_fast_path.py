@@ -988,3 +988,16 @@ def test_a_plan_takes_no_half_type_by_address() -> None:
     address would be skipped by the kernels, so the plan refuses it."""
     with pytest.raises(InvalidArgumentError, match="half types"):
         plans.plan_blocks([], {np.dtype(np.float16): ([4096], [8])}, [])
+
+
+def test_a_clip_looks_for_shared_memory_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The measuring and the rescale pass of one clip share the answer to "do two
+    arrays overlap?" (a sort of the arrays' spans) instead of each working it out."""
+    calls: list[int] = []
+    overlaps = fused._overlaps
+    monkeypatch.setattr(fused, "_overlaps", lambda p: calls.append(1) or overlaps(p))
+    grads = [np.full(8, 64.0, np.float32) for _ in range(3)]
+    _, found, _ = _ops.unscale_and_clip(fused.NumpyBackend(use_numba=False), grads, 64.0, 1.0)
+    assert not found
+    assert calls == [1]
+    assert all(np.all(g < 1.0) for g in grads)  # clipped: norm sqrt(24) > 1

@@ -1,9 +1,8 @@
-"""What every backend shares: the accepted dtypes, the scale, leaf and flag checks.
+"""What every backend's passes share: the accepted dtypes, the scale and leaf checks.
 
 One statement of each rule, so the backends cannot drift apart: the same bad
-leaf, scale or flag gives the same error class and message on every backend,
-and ``select`` refuses mismatched trees alike (the tree walk itself is
-:func:`scaler_core._tree.map_pairs`; JAX pytrees compare their treedefs).
+leaf or scale gives the same error class and message on every backend. (Flags and
+``select`` are checked once, in the core: ``scaler_core._ops``.)
 """
 
 from __future__ import annotations
@@ -16,8 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from scaler_core._coerce import flag_error, host_flag
-from scaler_core._errors import GradientTypeError, GradientValueError, InvalidArgumentError
+from scaler_core._errors import GradientTypeError, GradientValueError
 from scaler_core._f32 import f32, is_normal_f32
 
 __all__ = [
@@ -27,9 +25,6 @@ __all__ = [
     "NORM_CHUNK",
     "LeafKind",
     "bit_counts",
-    "check_select_pair",
-    "flag_error",
-    "host_flag",
     "inv_scale_of",
     "is_bfloat16",
     "norm_of_sums",
@@ -173,20 +168,6 @@ class LeafKind:
                 f"{path} has dtype {dtype}, but gradients must be {ACCEPTED}; cast it with "
                 f"{cast} or leave it out of the tree"
             )
-
-
-def check_select_pair(path: str, skip: Any, step: Any) -> None:
-    """Raise unless the two leaves ``select`` pairs up have one shape and one dtype.
-
-    Raises:
-        InvalidArgumentError: They differ; the message names ``path``.
-    """
-    if skip.shape != step.shape or skip.dtype != step.dtype:
-        raise InvalidArgumentError(
-            f"{path} has shape {tuple(step.shape)} and dtype {step.dtype}, but on_skip has "
-            f"{tuple(skip.shape)} and {skip.dtype}; select keeps shapes and dtypes, so cast "
-            f"the updated value back to the old one's dtype"
-        )
 
 
 #: Elements per chunk of a norm's sum of squares: each chunk is summed in float64,

@@ -43,6 +43,7 @@ import cupy
 import ml_dtypes
 import numpy as np
 
+from scaler_core._backend import Backend
 from scaler_core._errors import (
     BackendUnavailableError,
     GradientTypeError,
@@ -50,15 +51,12 @@ from scaler_core._errors import (
     InvalidArgumentError,
 )
 from scaler_core._f32 import FLT_MIN, f32
-from scaler_core._state import ScalerState, device_update
+from scaler_core._ops import as_flag
 from scaler_core._tree import first_of_each, leaves_with_paths, map_pairs
 
 from ._common import (
     LeafKind,
     bit_counts,
-    check_select_pair,
-    flag_error,
-    host_flag,
     inv_scale_of,
 )
 
@@ -66,7 +64,9 @@ from ._common import (
 __all__ = [
     "CHUNK_BYTES",
     "LEAVES",
+    "NAMESPACE",
     "CupyBackend",
+    "CupyNamespace",
     "Prepared",
     "kernel_source",
 ]
@@ -504,22 +504,24 @@ class _NoContext:
 
 
 # --------------------------------------------------------- device transition
-class _DeviceNamespace:
-    """``cupy`` for :func:`device_update` (and for ``scaler_core.cupy.to_device``), with
-    Python scalars made on the device.
+class CupyNamespace:
+    """``cupy`` as :meth:`scaler_core.Backend.namespace` describes it: the namespace of
+    :func:`device_update`, of the flag operations (and of ``scaler_core.cupy.to_device``),
+    on the current device.
 
-    ``cupy.asarray(1)`` copies from the host; ``cupy.full`` is a fill kernel,
-    which keeps the transition free of transfers and capturable in a graph.
+    Python scalars are made on the device: ``cupy.asarray(1)`` copies from the host;
+    ``cupy.full`` is a fill kernel, which keeps the transition free of transfers and
+    capturable in a graph.
     """
 
-    float32 = cupy.float32
-    int32 = cupy.int32
-    where = staticmethod(cupy.where)
+    on_host = False
+    float64_missing = None
+    float32, float64, int32 = cupy.float32, cupy.float64, cupy.int32
     isfinite = staticmethod(cupy.isfinite)
     maximum = staticmethod(cupy.maximum)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(cupy, name)
+    minimum = staticmethod(cupy.minimum)
+    logical_or = staticmethod(cupy.logical_or)
+    map_pairs = staticmethod(map_pairs)
 
     @staticmethod
     def asarray(value: Any, dtype: Any = None) -> Any:
@@ -527,41 +529,44 @@ class _DeviceNamespace:
             return value if dtype is None or value.dtype == dtype else value.astype(dtype)
         if isinstance(value, (bool, int, float, np.bool_, np.integer, np.floating)):
             return cupy.full((), value, dtype=dtype)
+        if np.ndim(value):  # no silent copy of a host array to the device
+            raise InvalidArgumentError(
+                f"a {type(value).__module__}.{type(value).__qualname__} of shape "
+                f"{np.shape(value)} is where cupy arrays are needed: select() takes cupy "
+                f"arrays (or None) at the same places in both trees; move it with "
+                f"cupy.asarray() once, outside the step"
+            )
         return cupy.asarray(value, dtype=dtype)
 
+    @staticmethod
+    def is_array(value: Any) -> bool:
+        return isinstance(value, _NDARRAY)
 
-#: The namespace of the device transition (and of ``scaler_core.cupy.to_device``).
-_XP = _DeviceNamespace()
+    @staticmethod
+    def flag(value: bool) -> Any:
+        return cupy.full((), value, dtype=np.bool_)
 
+    @staticmethod
+    def read(flag: Any) -> bool:
+        return bool(flag.get())
 
-# ---------------------------------------------------------------- the backend
-def _device_flag(found: Any, what: str = "found") -> Any:
-    if isinstance(found, _NDARRAY):
-        if found.shape == () and found.dtype == np.bool_:
-            return found
-        raise flag_error(what, _describe(found))
-    host = host_flag(found, what)
-    if host is None:
-        raise flag_error(what, _describe(found))
-    return cupy.full((), host, dtype=np.bool_)
-
-
-def _describe(value: Any) -> str:
-    # repr() of a device array copies it to the host; name its type, shape and dtype instead.
-    if isinstance(value, _NDARRAY):
-        return f"<cupy array shape={value.shape} dtype={value.dtype}>"
-    return repr(value)
-
-
-def _where(flag: Any, a: Any, b: Any) -> Any:
-    if a.dtype.itemsize in _UINT:
-        # Select the bits, so NaN payloads and -0.0 survive exactly (any float dtype).
-        u = _UINT[a.dtype.itemsize]
-        return cupy.where(flag, a.view(u), b.view(u)).view(a.dtype)
-    return cupy.where(flag, a, b)
+    @staticmethod
+    def where(cond: Any, a: Any, b: Any) -> Any:
+        """``cupy.where``; between two arrays of one float dtype it selects the bits, so
+        NaN payloads and -0.0 survive exactly."""
+        dtype = getattr(a, "dtype", None)
+        if dtype is not None and dtype == getattr(b, "dtype", None) and dtype.itemsize in _UINT:
+            u = _UINT[dtype.itemsize]
+            return cupy.where(cond, a.view(u), b.view(u)).view(dtype)
+        return cupy.where(cond, a, b)
 
 
-class CupyBackend:
+#: The namespace of the device transition and the flags (and of
+#: ``scaler_core.cupy.to_device``).
+NAMESPACE = CupyNamespace()
+
+
+class CupyBackend(Backend):
     """The fused CUDA passes for CuPy arrays. The flag is a 0-d device ``bool`` array."""
 
     name = "cupy"
@@ -643,7 +648,7 @@ class CupyBackend:
         arg = leaves.arg if kept else _scale_arg(scale)
         plan = _plan_of(leaves)
         with _on_device(plan.device):
-            flag = _device_flag(skip, "reduce(found)")
+            flag = as_flag(NAMESPACE, skip, "reduce(found)")
             if leaves.groups is None:  # no measuring pass kept them: the same launch groups
                 leaves.groups, leaves.copies = _launch_groups(plan, leaves.leaves)
             limit = np.float32(f32(max_norm))
@@ -677,49 +682,9 @@ class CupyBackend:
             wide = loss.astype(dtype, copy=False)
         return cupy.multiply(wide, factor)
 
-    def select(self, found: Any, on_skip: Any, on_step: Any) -> Any:
-        """See :meth:`scaler_core.Backend.select`: ``cupy.where`` leaf by leaf, no sync.
-
-        Raises:
-            InvalidArgumentError: The trees differ in structure, a leaf is not
-                a CuPy array, or a pair of leaves differs in shape or dtype.
-        """
-        flag = _device_flag(found)
-
-        def choose(path: str, a: Any, b: Any) -> Any:
-            if not (isinstance(a, _NDARRAY) and isinstance(b, _NDARRAY)):
-                raise InvalidArgumentError(
-                    f"{path} is a {type(b).__qualname__} in on_step and a "
-                    f"{type(a).__qualname__} in on_skip; select() needs cupy arrays (or None) "
-                    f"at the same places in both trees"
-                )
-            check_select_pair(path, a, b)
-            return _where(flag, a, b)
-
-        return map_pairs(choose, on_skip, on_step)
-
-    def any(self, *flags: Any) -> Any:
-        """See :meth:`scaler_core.Backend.any`: a 0-d device bool."""
-        if not flags:
-            return cupy.zeros((), dtype=np.bool_)
-        out = _device_flag(flags[0], "flags[0]")
-        for i, f in enumerate(flags[1:], 1):
-            out = cupy.logical_or(out, _device_flag(f, f"flags[{i}]"))
-        return out
-
-    def to_bool(self, found: Any) -> bool:
-        """See :meth:`scaler_core.Backend.to_bool`: the one host synchronisation."""
-        if isinstance(found, (bool, np.bool_)):
-            return bool(found)
-        return bool(_device_flag(found).get())
-
-    def update(self, state: ScalerState, found: Any, grad_norm: Any = None) -> ScalerState:
-        """See :meth:`scaler_core.Backend.update`: the transition as device work.
-
-        The result is a device state; a refused step is recorded in
-        ``state.failure`` and raised at the first host-side look.
-        """
-        return device_update(_XP, state, _device_flag(found, "found_non_finite"), grad_norm)
+    def namespace(self, *values: Any) -> CupyNamespace:
+        """See :meth:`scaler_core.Backend.namespace`: ``cupy``, on the current device."""
+        return NAMESPACE
 
     def non_finite_counts(self, grads: Any) -> list[tuple[str, int, int]]:
         """See :class:`scaler_core.Backend` (``non_finite_counts``): counted on the GPU from

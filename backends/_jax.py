@@ -26,25 +26,21 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from scaler_core._config import ScalerConfig
+from scaler_core._backend import Backend
 from scaler_core._errors import (
     GradientTypeError,
     GradientValueError,
     InvalidArgumentError,
-    InvalidConfigError,
 )
-from scaler_core._f32 import FLT_MIN, f32, is_f32_exact
-from scaler_core._ops import clip_coefficient
+from scaler_core._f32 import FLT_MIN
+from scaler_core._ops import as_flag, clip_coefficient
 from scaler_core._registration import register_pytree
-from scaler_core._state import ScalerState, convert_fields, device_update, require_state
+from scaler_core._state import ScalerState, convert_fields
 from scaler_core._tree import first_of_each
 
 from ._common import (
     HALF_DTYPES,
     LeafKind,
-    check_select_pair,
-    flag_error,
-    host_flag,
     inv_scale_of,
 )
 
@@ -55,7 +51,6 @@ __all__ = [
     "Prepared",
     "jax_leaves",
     "non_finite",
-    "require_float32_factors",
     "to_device",
 ]
 
@@ -198,34 +193,66 @@ def _clip_leaf(u: jax.Array, coef: jax.Array) -> jax.Array:
     return u * coef.astype(dtype)
 
 
-def _flag(found: Any, what: str = "found") -> jax.Array:
-    """``found`` as a 0-d boolean JAX array, or a clear error."""
-    host = host_flag(found, what)
-    if host is not None:
-        return jnp.asarray(host)
-    if isinstance(found, jax.Array) and found.shape == () and found.dtype == bool:
-        return found
-    raise flag_error(what, repr(found))
+class JaxNamespace:
+    """``jax.numpy`` as :meth:`scaler_core.Backend.namespace` describes it: flags are
+    0-d boolean arrays, selected and advanced with ``jnp.where`` (eagerly and under
+    ``jax.jit`` alike); the pytrees are paired as JAX pairs them."""
 
+    on_host = False
+    asarray = staticmethod(jnp.asarray)
+    where = staticmethod(jnp.where)
+    logical_or = staticmethod(jnp.logical_or)
+    isfinite = staticmethod(jnp.isfinite)
+    maximum = staticmethod(jnp.maximum)
+    minimum = staticmethod(jnp.minimum)
+    float32, float64, int32 = jnp.float32, jnp.float64, jnp.int32
 
-def require_float32_factors(config: ScalerConfig) -> None:
-    """Refuse a factor float32 cannot hold when JAX has no float64 to multiply it in.
+    @property
+    def float64_missing(self) -> str | None:
+        if jax.config.read("jax_enable_x64"):  # type: ignore[no-untyped-call, unused-ignore]
+            return None
+        return "enable float64 in JAX with jax.config.update('jax_enable_x64', True)"
 
-    Raises:
-        InvalidConfigError: Without ``jax_enable_x64``, ``growth_factor`` or
-            ``backoff_factor`` is not exactly a float32; the message gives the
-            float32 to use.
-    """
-    if jax.config.read("jax_enable_x64"):  # type: ignore[no-untyped-call, unused-ignore]
-        return
-    for name in ("growth_factor", "backoff_factor"):
-        value = getattr(config, name)
-        if not is_f32_exact(value):
-            raise InvalidConfigError(
-                f"{name}={value!r}, but it must be exactly representable in float32 so every "
-                f"backend rounds alike; use {f32(value)!r} (or enable float64 in JAX with "
-                f"jax.config.update('jax_enable_x64', True))"
+    @staticmethod
+    def is_array(value: Any) -> bool:
+        return isinstance(value, jax.Array)
+
+    @staticmethod
+    def flag(value: bool) -> jax.Array:
+        return jnp.asarray(value)
+
+    @staticmethod
+    def read(flag: Any) -> bool:
+        """Raises :class:`GradientTypeError` for a traced flag: it has no value yet."""
+        if _is_traced(flag):
+            raise GradientTypeError(
+                "found is traced (inside jax.jit, vmap or shard_map), so it has no value to "
+                "read; decide with select() and advance with update(), which run on the device"
             )
+        return bool(flag)
+
+    @staticmethod
+    def map_pairs(fn: Any, on_skip: Any, on_step: Any) -> Any:
+        """The two pytrees paired leaf by leaf; paths as ``on_step`` + ``keystr``.
+
+        Raises:
+            InvalidArgumentError: The pytrees differ in structure.
+        """
+        skip, skip_def = jax.tree_util.tree_flatten(on_skip)
+        step_paths, step_def = jax.tree_util.tree_flatten_with_path(on_step)
+        if skip_def != step_def:  # type: ignore[operator, unused-ignore]
+            raise InvalidArgumentError(
+                f"on_step has structure {step_def} but on_skip has {skip_def}; select() needs "
+                f"two trees of the same structure (the old values and the updated ones)"
+            )
+        out = [
+            fn("on_step" + jax.tree_util.keystr(key), a, b)
+            for (key, b), a in zip(step_paths, skip, strict=True)
+        ]
+        return jax.tree_util.tree_unflatten(step_def, out)
+
+
+NAMESPACE = JaxNamespace()
 
 
 def to_device(state: ScalerState) -> ScalerState:
@@ -278,7 +305,7 @@ def _unscaled(leaves: Prepared, scale: Any) -> tuple[list[Any], jax.Array | None
     return out, None if is_one else inv
 
 
-class JaxBackend:
+class JaxBackend(Backend):
     """Unscale and detection for JAX arrays; the flag is a 0-d boolean ``jax.Array``.
 
     Functional: every pass returns a new tree (JAX arrays are immutable, so
@@ -319,7 +346,7 @@ class JaxBackend:
         """See :meth:`scaler_core.Backend.rescale`: a new tree, leaf by leaf the given
         leaf where ``skip`` (decided on the device: the very values given) and else
         the unscaled leaf times the clip coefficient."""
-        flag = _flag(skip)
+        flag = as_flag(NAMESPACE, skip)
         unscaled, _ = _unscaled(leaves, scale)
         coef = clip_coefficient(jnp, norm, max_norm)
         out = [
@@ -335,64 +362,9 @@ class JaxBackend:
         inv_scale_of(scale)  # validates scale
         return jnp.multiply(loss, jnp.float32(scale))
 
-    def select(self, found: Any, on_skip: Any, on_step: Any) -> Any:
-        """See :meth:`scaler_core.Backend.select`: a new tree, selected leaf by leaf.
-
-        Each leaf is ``on_skip``'s where ``found`` is true, bit for bit, else
-        ``on_step``'s, with no host synchronisation (``jnp.where``).
-
-        Raises:
-            InvalidArgumentError: The trees differ in structure, or a pair of
-                leaves differs in shape or dtype.
-        """
-        flag = _flag(found)
-        skip, skip_def = jax.tree_util.tree_flatten(on_skip)
-        step_paths, step_def = jax.tree_util.tree_flatten_with_path(on_step)
-        if skip_def != step_def:  # type: ignore[operator, unused-ignore]
-            raise InvalidArgumentError(
-                f"on_step has structure {step_def} but on_skip has {skip_def}; select() needs "
-                f"two trees of the same structure (the old values and the updated ones)"
-            )
-        out = []
-        for (key, b), a in zip(step_paths, skip, strict=True):
-            a_arr, b_arr = jnp.asarray(a), jnp.asarray(b)
-            check_select_pair("on_step" + jax.tree_util.keystr(key), a_arr, b_arr)
-            out.append(jnp.where(flag, a_arr, b_arr))
-        return jax.tree_util.tree_unflatten(step_def, out)
-
-    def any(self, *flags: Any) -> jax.Array:
-        """See :meth:`scaler_core.Backend.any`."""
-        out = jnp.asarray(False)
-        for i, f in enumerate(flags):
-            out = out | _flag(f, f"flags[{i}]")
-        return out
-
-    def to_bool(self, found: Any) -> bool:
-        """See :meth:`scaler_core.Backend.to_bool`: the one host synchronisation.
-
-        Raises:
-            GradientTypeError: ``found`` is not a boolean flag, or it is traced
-                (inside ``jax.jit`` no value can be read; use :meth:`select`).
-        """
-        if _is_traced(found):
-            raise GradientTypeError(
-                "found is traced (inside jax.jit, vmap or shard_map), so it has no value to "
-                "read; decide with select() and advance with update(), which run on the device"
-            )
-        return bool(_flag(found))
-
-    def update(self, state: ScalerState, found: Any, grad_norm: Any = None) -> ScalerState:
-        """See :meth:`scaler_core.Backend.update`: the branch-free device transition.
-
-        A failing step records ``state.failure`` instead of raising; the first
-        host-side look (``check``, ``current_scale``, ``to_dict``) raises it.
-
-        Raises:
-            InvalidConfigError: A factor is not exactly a float32 and JAX runs
-                without ``jax_enable_x64`` (it cannot form the float64 product).
-        """
-        require_float32_factors(require_state(state).config)
-        return device_update(jnp, state, _flag(found, "found_non_finite"), grad_norm)
+    def namespace(self, *values: Any) -> JaxNamespace:
+        """See :meth:`scaler_core.Backend.namespace`: ``jax.numpy``, on every device."""
+        return NAMESPACE
 
     def non_finite_counts(self, grads: Any) -> list[tuple[str, int, int]]:
         """See :class:`scaler_core.Backend` (``non_finite_counts``), on any pytree (paths as in

@@ -11,9 +11,9 @@ from typing import Any
 
 import numpy as np
 
+from scaler_core._backend import Backend
 from scaler_core._errors import GradientValueError
 from scaler_core._ops import clip_coefficient
-from scaler_core._state import ScalerState, host_update, require_state
 from scaler_core._tree import leaves_with_paths, map_pairs
 
 from ._common import (
@@ -21,9 +21,6 @@ from ._common import (
     NORM_CHUNK,
     LeafKind,
     bit_counts,
-    check_select_pair,
-    flag_error,
-    host_flag,
     inv_scale_of,
     norm_of_sums,
 )
@@ -125,7 +122,35 @@ class Prepared:
         self.shared: bool | None = None
 
 
-class NumpyReferenceBackend:
+class HostNamespace:
+    """NumPy as :meth:`scaler_core.Backend.namespace` describes it: flags are
+    ``numpy.bool_`` values, decided and advanced on the host."""
+
+    on_host = True
+    float64_missing = None
+    asarray = staticmethod(np.asarray)
+    where = staticmethod(np.where)
+    logical_or = staticmethod(np.logical_or)
+    map_pairs = staticmethod(map_pairs)
+    flag = staticmethod(np.bool_)
+    float32, float64, int32 = np.float32, np.float64, np.int32
+    isfinite = staticmethod(np.isfinite)
+    maximum = staticmethod(np.maximum)
+    minimum = staticmethod(np.minimum)
+
+    @staticmethod
+    def is_array(value: Any) -> bool:
+        return isinstance(value, np.ndarray | np.generic)
+
+    @staticmethod
+    def read(flag: Any) -> bool:
+        return bool(flag)
+
+
+NAMESPACE = HostNamespace()
+
+
+class NumpyReferenceBackend(Backend):
     """Unscale and detection for NumPy arrays, plainly. The flag is a ``numpy.bool_``."""
 
     name = "numpy"
@@ -185,35 +210,9 @@ class NumpyReferenceBackend:
         inv_scale_of(scale)  # validates scale
         return np.multiply(loss, np.float32(scale))
 
-    def select(self, found: Any, on_skip: Any, on_step: Any) -> Any:
-        """See :meth:`scaler_core.Backend.select`: a new tree holding the chosen leaves.
-
-        The leaves are not copied: on a host, choosing is free.
-        """
-        skip = self.to_bool(found)
-
-        def choose(path: str, a: Any, b: Any) -> Any:
-            check_select_pair(path, np.asarray(a), np.asarray(b))
-            return a if skip else b
-
-        return map_pairs(choose, on_skip, on_step)
-
-    def any(self, *flags: Any) -> np.bool_:
-        """See :meth:`scaler_core.Backend.any`."""
-        return np.bool_(any(self.to_bool(f) for f in flags))
-
-    def to_bool(self, found: Any) -> bool:
-        """See :meth:`scaler_core.Backend.to_bool`."""
-        flag = host_flag(found, "found")
-        if flag is None:
-            raise flag_error("found", repr(found))
-        return flag
-
-    def update(self, state: ScalerState, found: Any, grad_norm: Any = None) -> ScalerState:
-        """See :meth:`scaler_core.Backend.update`: the host transition."""
-        if not require_state(state).on_host:
-            state = state.to_host()
-        return host_update(state, self.to_bool(found), grad_norm)
+    def namespace(self, *values: Any) -> HostNamespace:
+        """See :meth:`scaler_core.Backend.namespace`: NumPy, on the host."""
+        return NAMESPACE
 
     def non_finite_counts(self, grads: Any) -> list[tuple[str, int, int]]:
         """See :class:`scaler_core.Backend` (``non_finite_counts``): counted on the bits

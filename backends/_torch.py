@@ -48,18 +48,15 @@ from typing import Any, NamedTuple, cast
 import numpy as np
 import torch
 
+from scaler_core._backend import Backend
 from scaler_core._errors import GradientTypeError, GradientValueError, LifecycleError
 from scaler_core._f32 import FLT_MIN
-from scaler_core._ops import clip_coefficient
-from scaler_core._state import ScalerState, device_update, require_state
+from scaler_core._ops import as_flag, clip_coefficient
 from scaler_core._tree import leaves_with_paths, map_pairs
 
 from . import _numpy, _plans, _torch_host
 from ._common import (
     LeafKind,
-    check_select_pair,
-    flag_error,
-    host_flag,
     inv_scale_of,
     norm_of_sums,
 )
@@ -425,11 +422,16 @@ class _DType:
 
 
 class TorchNamespace:
-    """The array namespace :func:`scaler_core.device_update` runs on, for torch tensors.
+    """torch as :meth:`scaler_core.Backend.namespace` describes it, on one device: the
+    array namespace of :func:`scaler_core.device_update` and of the flag operations.
 
     Python scalars become 0-d tensors with ``torch.full`` (a fill, not a copy from
     the host), so a transition on an accelerator stays free of transfers.
     """
+
+    on_host = False
+    float64_missing = None
+    map_pairs = staticmethod(map_pairs)
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
@@ -450,15 +452,40 @@ class TorchNamespace:
         dt = self._dtype(dtype)
         if isinstance(value, torch.Tensor):
             return value.to(device=self.device, dtype=dt or value.dtype, non_blocking=True)
+        if isinstance(value, np.ndarray | list | tuple) and np.ndim(value):
+            return torch.as_tensor(value, dtype=dt, device=self.device)
         if isinstance(value, np.generic | np.ndarray):
             value = value.item()
         if dt is None:
             dt = torch.bool if isinstance(value, bool) else torch.get_default_dtype()
         return torch.full((), value, dtype=dt, device=self.device)
 
+    def flag(self, value: bool) -> torch.Tensor:
+        return torch.full((), value, dtype=torch.bool, device=self.device)
+
+    @staticmethod
+    def is_array(value: Any) -> bool:
+        return isinstance(value, torch.Tensor)
+
+    @staticmethod
+    def read(flag: torch.Tensor) -> bool:
+        return bool(flag.item())
+
     @staticmethod
     def where(cond: Any, a: Any, b: Any) -> torch.Tensor:
+        """``torch.where``, on ``b``'s device when it is a tensor (a flag or an old
+        value on another device moves there, without a sync)."""
+        if isinstance(b, torch.Tensor):
+            if cond.device != b.device:
+                cond = cond.to(b.device, non_blocking=True)
+            if isinstance(a, torch.Tensor) and a.device != b.device:
+                a = a.to(b.device, non_blocking=True)
         return torch.where(cond, a, b)
+
+    @staticmethod
+    def logical_or(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        """On ``a``'s device."""
+        return a | b.to(a.device, non_blocking=True)
 
     @staticmethod
     def isfinite(a: torch.Tensor) -> torch.Tensor:
@@ -474,6 +501,18 @@ class TorchNamespace:
         as ``torch.clamp(a, max=...)`` returns it (``torch.minimum`` would return a NaN
         of its own), so the clip coefficient keeps the bits PyTorch's clamp gives."""
         return torch.where(b < a, b, a)
+
+
+_NAMESPACES: dict[torch.device, TorchNamespace] = {}
+_CPU = torch.device("cpu")
+
+
+def namespace_on(device: torch.device) -> TorchNamespace:
+    """The :class:`TorchNamespace` of ``device`` (one per device, made once)."""
+    ns = _NAMESPACES.get(device)
+    if ns is None:
+        ns = _NAMESPACES.setdefault(device, TorchNamespace(device))
+    return ns
 
 
 # ---------------------------------------------------------------- the backend
@@ -572,17 +611,6 @@ def _norm(
     return torch.stack([q.to(default) for q in squares]).sum().sqrt().float()
 
 
-def _flag(found: Any, what: str = "found") -> torch.Tensor:
-    if isinstance(found, torch.Tensor):
-        if found.shape == () and found.dtype == torch.bool:
-            return found
-        raise flag_error(what, f"<torch tensor shape={tuple(found.shape)} dtype={found.dtype}>")
-    host = host_flag(found, what)
-    if host is None:
-        raise flag_error(what, repr(found))
-    return torch.tensor(host)
-
-
 def _unscale(
     leaves: Sequence[_Leaf], scale: Any, inv: torch.Tensor | float, check: bool | None
 ) -> tuple[dict[int, torch.Tensor], list[torch.Tensor], torch.Tensor]:
@@ -674,7 +702,7 @@ class Leaves:
         self.replaced: dict[int, torch.Tensor] = {}
 
 
-class TorchBackend:
+class TorchBackend(Backend):
     """Unscale and detection for torch tensors; the flag is a 0-d ``torch.bool`` tensor."""
 
     name = "torch"
@@ -786,8 +814,9 @@ class TorchBackend:
                 "call leaves(), measure(write=False), then rescale() once (as "
                 "scaler_core.unscale_and_clip does)"
             )
-        coef = clip_coefficient(TorchNamespace(norm.device), norm.float(), max_norm)
-        coef = torch.where(_flag(skip).to(coef.device), torch.ones_like(coef), coef)
+        xp = namespace_on(norm.device)
+        coef = clip_coefficient(xp, norm.float(), max_norm)
+        coef = torch.where(as_flag(xp, skip).to(coef.device), torch.ones_like(coef), coef)
         with torch.no_grad():
             for device, by_dtype in _buckets(values).items():
                 for tensors in by_dtype.values():
@@ -807,40 +836,13 @@ class TorchBackend:
         inv_scale_of(scale)
         return wide * float(np.float32(scale))
 
-    def select(self, found: Any, on_skip: Any, on_step: Any) -> Any:
-        """See :meth:`scaler_core.Backend.select`: ``torch.where`` leaf by leaf, no sync."""
-        flag = _flag(found)
-
-        def choose(path: str, a: Any, b: Any) -> Any:
-            a_t = a if isinstance(a, torch.Tensor) else torch.as_tensor(a)
-            b_t = b if isinstance(b, torch.Tensor) else torch.as_tensor(b)
-            check_select_pair(path, a_t, b_t)
-            return torch.where(flag.to(b_t.device), a_t.to(b_t.device), b_t)
-
-        return map_pairs(choose, on_skip, on_step)
-
-    def any(self, *flags: Any) -> torch.Tensor:
-        """See :meth:`scaler_core.Backend.any`: a 0-d bool on the first flag's device."""
-        out = None
-        for i, f in enumerate(flags):
-            flag = _flag(f, f"flags[{i}]")
-            out = flag if out is None else out | flag.to(out.device)
-        return torch.tensor(False) if out is None else out
-
-    def to_bool(self, found: Any) -> bool:
-        """See :meth:`scaler_core.Backend.to_bool`: the one host synchronisation."""
-        return bool(_flag(found).item())
-
-    def update(self, state: ScalerState, found: Any, grad_norm: Any = None) -> ScalerState:
-        """See :meth:`scaler_core.Backend.update`: the transition as device work.
-
-        A refused step is recorded in ``state.failure`` and raised at the first
-        host-side look.
-        """
-        flag = _flag(found, "found_non_finite")
-        scale = require_state(state).scale
-        device = scale.device if isinstance(scale, torch.Tensor) else flag.device
-        return device_update(TorchNamespace(device), state, flag.to(device), grad_norm)
+    def namespace(self, *values: Any) -> TorchNamespace:
+        """See :meth:`scaler_core.Backend.namespace`: torch on the first tensor's device
+        among ``values`` (the CPU where there is none)."""
+        for value in values:
+            if isinstance(value, torch.Tensor):
+                return namespace_on(value.device)
+        return namespace_on(_CPU)
 
     def non_finite_counts(self, grads: Any) -> list[tuple[str, int, int]]:
         """See :class:`scaler_core.Backend` (``non_finite_counts``): counted where each tensor

@@ -17,12 +17,15 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
+from . import _ops
 from ._errors import BackendUnavailableError, GradientTypeError, InvalidArgumentError
 from ._state import ScalerState
 from ._tree import leaves_with_paths
 
 __all__ = [
     "BACKEND_MEMBERS",
+    "CORE_MEMBERS",
+    "KERNEL_MEMBERS",
     "Backend",
     "available_backends",
     "backend_for",
@@ -39,10 +42,13 @@ class Backend(Protocol):
 
     A backend is a set of kernels, not a set of features: validated leaves, unscale
     with detection, a measuring pass that can also write, a rescale pass that applies
-    the clip coefficient or nothing, and the flag operations. Every user-level
-    operation (:func:`scaler_core.unscale`, ``unscale_and_norm``, ``unscale_and_clip``,
-    ``find_non_finite``, :func:`scaler_core.non_finite_leaves`) is composed from these
-    once, in the core (``scaler_core._ops``), for every backend.
+    the clip coefficient or nothing, ``scale_loss``, and its library's array
+    namespace. Every user-level operation (:func:`scaler_core.unscale`,
+    ``unscale_and_norm``, ``unscale_and_clip``, ``find_non_finite``,
+    :func:`scaler_core.non_finite_leaves`, and the flag operations :meth:`select`,
+    :meth:`any`, :meth:`to_bool` and :meth:`update`) is composed from these once, in
+    the core (``scaler_core._ops``), for every backend. Derive from ``Backend`` to
+    inherit the flag operations.
 
     Flags ("found" values) are whatever the library keeps on its device: a NumPy
     bool for NumPy, a 0-d boolean array for CuPy, JAX and PyTorch. No method but
@@ -157,35 +163,77 @@ class Backend(Protocol):
         """``loss * scale`` (float32 scale), computed on the loss's device."""
         ...
 
+    def namespace(self, *values: Any) -> Any:
+        """The array namespace the flag operations and the device transition run on.
+
+        For the device of the first of ``values`` that is this library's array (a
+        flag, a state's scale), else the library's default device. The core reads
+        these members of it, and nothing else:
+
+        - ``on_host``: ``True`` where flags are host values (NumPy): the core then
+          decides on the host, and the transition is the host one, raising on a
+          failing step. ``False`` for a device library: nothing is read back.
+        - ``is_array(value)``: whether ``value`` is an array of this library.
+        - ``flag(value)``: a flag of this library holding the Python bool
+          ``value`` (NumPy: a ``numpy.bool_``; a device library: a 0-d boolean
+          array made on the device, not copied from the host).
+        - ``read(flag)``: the flag as a Python bool, the host synchronisation
+          (raising :class:`GradientTypeError` where no value can be read, as
+          inside ``jax.jit``).
+        - ``logical_or(a, b)``, ``where(cond, a, b)`` (the chosen leaf's bits,
+          NaN payloads included), ``map_pairs(fn, on_skip, on_step)`` (the
+          library's trees paired leaf by leaf, as
+          ``scaler_core._tree.map_pairs`` pairs nested containers, raising
+          :class:`InvalidArgumentError` where they differ).
+        - For the device transition and the clip coefficient: ``asarray(value,
+          dtype=None)``, ``float32``, ``float64``, ``int32``, ``isfinite``,
+          ``maximum`` and ``minimum``, and ``float64_missing``: ``None`` where
+          float64 is exact, else how to enable it (JAX without x64), so factors
+          that are not float32 values are refused.
+        """
+        ...
+
+    # Written once, in the core, for every backend: a class that derives from
+    # Backend inherits these four; the docstrings are the contract.
     def select(self, found: Any, on_skip: Any, on_step: Any) -> Any:
         """``on_skip`` where ``found`` is true, else ``on_step``, leaf by leaf.
 
         Used to keep parameters and optimizer state bit-identical on a skipped
         step: compute the updated trees, then select. Both trees must have the
-        same structure.
+        same structure. A host library decides on the host and copies nothing; a
+        device library selects on the device, with no host synchronisation.
+
+        Raises:
+            GradientTypeError: ``found`` is not a flag.
+            InvalidArgumentError: The trees differ in structure, or a pair of
+                leaves differs in shape or dtype.
         """
-        ...
+        return _ops.select(self, found, on_skip, on_step)
 
     def any(self, *flags: Any) -> Any:
-        """The logical OR of several flags (several groups, micro-batches)."""
-        ...
+        """The logical OR of several flags (several groups, micro-batches), kept
+        on the first device flag's device; ``flag(False)`` for none."""
+        return _ops.any_found(self, *flags)
 
     def to_bool(self, found: Any) -> bool:
         """The flag as a Python bool: the one deliberate host synchronisation."""
-        ...
+        return _ops.to_bool(self, found)
 
     def update(self, state: ScalerState, found: Any, grad_norm: Any = None) -> ScalerState:
         """One transition of ``state`` (see :func:`scaler_core.update`).
 
-        Host backends raise on a failing step; device backends record the
+        Host libraries raise on a failing step; device libraries record the
         failure in the state without a host synchronisation. ``grad_norm`` is
         the step's global gradient norm (a number, or a 0-d float array of this
-        library), for spike skipping: pass it on to the transition
-        (``host_update`` / ``device_update``). :func:`scaler_core.update` passes
-        it only when the config has ``spike_threshold`` set, so a backend whose
-        ``update`` takes two arguments keeps working without spike skipping.
+        library), for spike skipping.
+
+        Raises:
+            InvalidStateError: ``state`` is not a ScalerState.
+            GradientTypeError: ``found`` is not a flag.
+            InvalidConfigError: A factor is not exactly a float32 and the
+                namespace has no exact float64.
         """
-        ...
+        return _ops.update(self, state, found, grad_norm)
 
 
 #: The members every backend has: the protocol's methods and its ``name``.
@@ -195,6 +243,14 @@ BACKEND_MEMBERS: tuple[str, ...] = tuple(
         | {n for n, v in vars(Backend).items() if callable(v) and not n.startswith("_")}
     )
 )
+
+
+#: The members written once, in the core, over the others: a class that derives from
+#: :class:`Backend` inherits them, and no built-in backend overrides them.
+CORE_MEMBERS: tuple[str, ...] = ("any", "select", "to_bool", "update")
+
+#: What a backend writes itself: its passes, ``scale_loss`` and its namespace.
+KERNEL_MEMBERS: tuple[str, ...] = tuple(m for m in BACKEND_MEMBERS if m not in CORE_MEMBERS)
 
 
 def missing_members(obj: object) -> list[str]:

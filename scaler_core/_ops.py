@@ -21,17 +21,25 @@ import numbers
 from collections.abc import Callable
 from typing import Any
 
-from ._errors import GradientValueError, InvalidArgumentError
-from ._f32 import FLT_MAX, f32
+from ._coerce import describe, flag_error, host_flag
+from ._errors import GradientValueError, InvalidArgumentError, InvalidConfigError
+from ._f32 import FLT_MAX, f32, is_f32_exact
+from ._state import ScalerState, device_update, host_update, require_state
 
 __all__ = [
     "CLIP_EPS",
+    "any_found",
+    "as_flag",
     "clip_coefficient",
     "find_non_finite",
     "max_norm_of",
+    "require_float32_factors",
+    "select",
+    "to_bool",
     "unscale",
     "unscale_and_clip",
     "unscale_and_norm",
+    "update",
 ]
 
 #: What PyTorch's ``clip_grad_norm_`` adds to the norm before dividing (a float32 value).
@@ -151,3 +159,133 @@ def unscale_and_clip(
     if reduce is not None:
         found = reduce(found)
     return backend.rescale(prepared, scale, norm, limit, found), found, norm
+
+
+# ------------------------------------------------------------------- flags
+# The flag operations, written once over each backend's array namespace (see
+# scaler_core.Backend.namespace): a flag stays on its device, and only to_bool reads
+# one back to the host.
+
+
+def as_flag(xp: Any, found: Any, what: str = "found") -> Any:
+    """``found`` as a flag of ``xp``'s library: a host bool made with ``xp.flag``, a
+    0-d boolean array of the library as it is.
+
+    Raises:
+        GradientTypeError: ``found`` is neither (an int, a float, an array of
+            another shape or dtype, a container); the message names ``what``.
+    """
+    host = host_flag(found, what)
+    if host is not None:
+        return xp.flag(host)
+    if xp.is_array(found) and tuple(found.shape) == () and str(found.dtype) in _BOOL_DTYPES:
+        return found
+    raise flag_error(what, describe(found))
+
+
+#: How the array libraries spell the boolean dtype (``torch.bool`` for torch).
+_BOOL_DTYPES = frozenset({"bool", "torch.bool"})
+
+
+def to_bool(backend: Any, found: Any) -> bool:
+    """The flag as a Python bool: the one deliberate host synchronisation."""
+    xp = backend.namespace(found)
+    return bool(xp.read(as_flag(xp, found)))
+
+
+def any_found(backend: Any, *flags: Any) -> Any:
+    """The logical OR of several flags, on the first device flag's device (no read)."""
+    xp = backend.namespace(*flags)
+    out = None
+    for i, f in enumerate(flags):
+        flag = as_flag(xp, f, f"flags[{i}]")
+        out = flag if out is None else xp.logical_or(out, flag)
+    return xp.flag(False) if out is None else out
+
+
+def select(backend: Any, found: Any, on_skip: Any, on_step: Any) -> Any:
+    """A tree of ``on_step``'s structure holding ``on_skip``'s leaves where ``found``
+    is true, else ``on_step``'s: what keeps parameters and optimizer state bit for bit
+    on a skipped step.
+
+    A host library decides on the host and copies nothing; a device library selects
+    leaf by leaf on the device (``xp.where``), so nothing is read back.
+
+    Raises:
+        GradientTypeError: ``found`` is not a flag.
+        InvalidArgumentError: The trees differ in structure, or a pair of leaves
+            differs in shape or dtype (the message names the leaf).
+    """
+    xp = backend.namespace(found)
+    flag = as_flag(xp, found)
+    if xp.on_host:
+        skip = bool(xp.read(flag))
+
+        def choose(path: str, a: Any, b: Any) -> Any:
+            _check_pair(path, xp.asarray(a), xp.asarray(b))
+            return a if skip else b
+
+    else:
+
+        def choose(path: str, a: Any, b: Any) -> Any:
+            a, b = _on_device(xp, a), _on_device(xp, b)
+            _check_pair(path, a, b)
+            return xp.where(flag, a, b)
+
+    return xp.map_pairs(choose, on_skip, on_step)
+
+
+def _on_device(xp: Any, leaf: Any) -> Any:
+    return leaf if xp.is_array(leaf) else xp.asarray(leaf)
+
+
+def _check_pair(path: str, skip: Any, step: Any) -> None:
+    if tuple(skip.shape) != tuple(step.shape) or skip.dtype != step.dtype:
+        raise InvalidArgumentError(
+            f"{path} has shape {tuple(step.shape)} and dtype {step.dtype}, but on_skip has "
+            f"{tuple(skip.shape)} and {skip.dtype}; select keeps shapes and dtypes, so cast "
+            f"the updated value back to the old one's dtype"
+        )
+
+
+def update(backend: Any, state: Any, found: Any, grad_norm: Any = None) -> ScalerState:
+    """One transition of ``state``, where the backend's flags live.
+
+    A host library reads the flag and runs :func:`scaler_core._state.host_update`
+    (a failing step raises); a device library runs :func:`device_update` on the
+    state's device (a failing step is recorded in ``state.failure``, raised at the
+    first host-side look), with no host synchronisation.
+
+    Raises:
+        InvalidStateError: ``state`` is not a ScalerState.
+        GradientTypeError: ``found`` is not a flag.
+        InvalidConfigError: A factor is not exactly a float32 and the namespace
+            has no exact float64 to form the product in (JAX without x64).
+    """
+    state = require_state(state)
+    xp = backend.namespace(state.scale, found)
+    flag = as_flag(xp, found, "found_non_finite")
+    if xp.on_host:
+        return host_update(state if state.on_host else state.to_host(), xp.read(flag), grad_norm)
+    require_float32_factors(xp, state.config)
+    return device_update(xp, state, flag, grad_norm)
+
+
+def require_float32_factors(xp: Any, config: Any) -> None:
+    """Refuse a factor float32 cannot hold where the namespace ``xp`` has no float64
+    to multiply it in (its ``float64_missing`` says how to enable it).
+
+    Raises:
+        InvalidConfigError: ``growth_factor`` or ``backoff_factor`` is not exactly
+            a float32; the message gives the float32 to use.
+    """
+    fix = xp.float64_missing
+    if fix is None:
+        return
+    for name in ("growth_factor", "backoff_factor"):
+        value = getattr(config, name)
+        if not is_f32_exact(value):
+            raise InvalidConfigError(
+                f"{name}={value!r}, but it must be exactly representable in float32 so every "
+                f"backend rounds alike; use {f32(value)!r} (or {fix})"
+            )

@@ -20,7 +20,9 @@ from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
+from . import _ops
 from ._backend import get_backend
+from ._coerce import describe
 from ._errors import InvalidArgumentError
 from ._state import ScalerState, convert_fields
 
@@ -65,8 +67,8 @@ def to_device(state: ScalerState, device: int | None = None) -> ScalerState:
     with contextlib.nullcontext() if device is None else cupy.cuda.Device(device):
         return convert_fields(
             state,
-            lambda v: lib._XP.asarray(here(v), dtype=cupy.float32),
-            lambda v: lib._XP.asarray(here(v), dtype=cupy.int32),
+            lambda v: lib.NAMESPACE.asarray(here(v), dtype=cupy.float32),
+            lambda v: lib.NAMESPACE.asarray(here(v), dtype=cupy.int32),
         )
 
 
@@ -112,13 +114,13 @@ def found_reducer(comm: Any, *, stream: Any = None) -> Callable[[Any], Any]:
 def _check_nccl(lib: ModuleType, comm: Any, stream: Any) -> None:
     if not callable(getattr(comm, "allReduce", None)):
         raise InvalidArgumentError(
-            f"comm={lib._describe(comm)}, but it must be a cupy.cuda.nccl.NcclCommunicator "
+            f"comm={describe(comm)}, but it must be a cupy.cuda.nccl.NcclCommunicator "
             f"(with an allReduce method); create one per rank with "
             f"NcclCommunicator(n_ranks, uid, rank)"
         )
     if stream is not None and not isinstance(stream, lib.cupy.cuda.Stream):
         raise InvalidArgumentError(
-            f"stream={lib._describe(stream)}, but it must be a cupy.cuda.Stream or None "
+            f"stream={describe(stream)}, but it must be a cupy.cuda.Stream or None "
             f"(the current stream)"
         )
 
@@ -126,7 +128,7 @@ def _check_nccl(lib: ModuleType, comm: Any, stream: Any) -> None:
 def _nccl_or(found: Any, *, lib: ModuleType, comm: Any, stream: Any) -> Any:
     """The all-reduce itself, ``comm`` and ``stream`` checked; ``found`` checked here."""
     cupy = lib.cupy
-    buf = lib._device_flag(found).astype(cupy.uint8)
+    buf = _ops.as_flag(lib.NAMESPACE, found).astype(cupy.uint8)
     s = cupy.cuda.get_current_stream() if stream is None else stream
     comm.allReduce(buf.data.ptr, buf.data.ptr, 1, *_nccl_constants(), s.ptr)
     return buf.astype(cupy.bool_)

@@ -46,7 +46,7 @@ from . import _ops
 from ._config import ScalerConfig
 from ._errors import InvalidArgumentError
 from ._state import ScalerState, start_state, step_skipped
-from .backends._jax import BACKEND, require_float32_factors, to_device
+from .backends._jax import BACKEND, to_device
 from .jax import reduce_found
 
 __all__ = ["LossScaledState", "loss_scale", "loss_scaled"]
@@ -166,7 +166,7 @@ def loss_scaled(
             works.
     """
     start = start_state(config, state)
-    require_float32_factors(start.config)  # now, not at the first traced step
+    _ops.require_float32_factors(BACKEND.namespace(), start.config)  # now, not when traced
     inner = optax.with_extra_args_support(inner)
     spikes = start.config.spike_threshold is not None
 

@@ -46,9 +46,9 @@ from ._f32 import f32, is_normal_f32
 from ._lifecycle import StepReport
 from ._report import LeafReport, non_finite_leaves
 from ._serialize import from_dict, from_torch_state_dict, to_dict, with_torch_entries
-from ._state import DATA_FIELDS, FLOAT_FIELDS, ScalerState, device_update, host_update, init
+from ._state import DATA_FIELDS, FLOAT_FIELDS, ScalerState, host_update, init
 from .backends._torch import BACKEND as _TORCH
-from .backends._torch import TorchNamespace, check_for_fused, unscale_buckets
+from .backends._torch import check_for_fused, unscale_buckets
 
 __all__ = ["GradScaler"]
 
@@ -533,7 +533,7 @@ class GradScaler(torch.amp.GradScaler):
                     self._field(name).fill_(value)
             self._mirror = new
         else:
-            new = device_update(TorchNamespace(_scale.device), self._device_state(), flag)
+            new = _TORCH.update(self._device_state(), flag)  # the core's, on the scale's device
             for name in DATA_FIELDS:
                 self._field(name).copy_(getattr(new, name))
         self._end_step(new, flag)

@@ -222,3 +222,25 @@ def test_a_backend_defining_its_members_passes_on_every_python() -> None:
     assert sc.get_backend(broken) is broken  # type: ignore[arg-type]
     assert isinstance(broken, sc.Backend)  # Python's own check agrees with ours
     assert check_backend(broken, only=["protocol"], asarray=np.array, to_numpy=np.asarray)  # type: ignore[arg-type]
+
+
+def test_every_built_in_backend_inherits_the_flag_operations_from_the_core() -> None:
+    """select, any, to_bool and update are written once, in scaler_core.Backend: a built-in
+    backend that wrote its own would be the drift the kernel protocol exists to prevent."""
+    from scaler_core._backend import CORE_MEMBERS, KERNEL_MEMBERS
+
+    assert set(CORE_MEMBERS).isdisjoint(KERNEL_MEMBERS)
+    assert {*CORE_MEMBERS, *KERNEL_MEMBERS} == set(BACKEND_MEMBERS)
+    classes = {"numpy": "NumpyBackend", "numpy-reference": "NumpyReferenceBackend"}
+    classes |= {"jax": "JaxBackend", "torch": "TorchBackend", "cupy": "CupyBackend"}
+    checked = []
+    for name, cls in classes.items():
+        try:  # where the library is installed
+            module = importlib.import_module(f"scaler_core.backends._{name.replace('-', '_')}")
+        except ImportError:
+            continue
+        backend_class = getattr(module, cls)
+        checked.append(name)
+        for member in CORE_MEMBERS:
+            assert getattr(backend_class, member) is getattr(sc.Backend, member), (name, member)
+    assert "numpy" in checked

@@ -79,9 +79,7 @@ from ._presets import PRESETS, PresetInfo, preset  # noqa: E402
 from ._report import LeafReport, non_finite_leaves  # noqa: E402
 from ._serialize import (  # noqa: E402
     from_dict,
-    from_torch_state_dict,
     to_dict,
-    to_torch_state_dict,
 )
 from ._state import (  # noqa: E402
     Failure,
@@ -131,7 +129,6 @@ __all__ = [  # noqa: RUF022 - plain sorted(), which tests/core/test_public_api.p
     "device_update",
     "find_non_finite",
     "from_dict",
-    "from_torch_state_dict",
     "get_backend",
     "init",
     "non_finite_leaves",
@@ -139,7 +136,6 @@ __all__ = [  # noqa: RUF022 - plain sorted(), which tests/core/test_public_api.p
     "register_backend",
     "step_skipped",
     "to_dict",
-    "to_torch_state_dict",
     "unscale",
     "unscale_and_clip",
     "unscale_and_norm",

@@ -14,17 +14,17 @@ from collections.abc import Mapping
 from typing import Any
 
 from ._config import ScalerConfig
-from ._errors import InvalidConfigError, InvalidStateError
+from ._errors import InvalidArgumentError, InvalidConfigError, InvalidStateError
 from ._f32 import INT32_MAX, f32, is_normal_f32
 from ._state import DATA_FIELDS, LAST_KIND_CODES, SPIKE_FIELDS, ScalerState
 
 __all__ = [
+    "FORMATS",
     "SCHEMA",
     "SCHEMA_VERSION",
     "from_dict",
     "from_torch_state_dict",
     "to_dict",
-    "to_torch_state_dict",
     "with_torch_entries",
 ]
 
@@ -58,16 +58,36 @@ _KEYS = {
 }
 
 
-def to_dict(state: ScalerState) -> dict[str, Any]:
-    """The state as a JSON-safe dict with a schema name and version.
+#: What :func:`to_dict` writes: scaler-core's own checkpoint, or PyTorch's state dict.
+FORMATS = ("scaler_core", "torch")
 
-    A device state is read back to the host first; a recorded failure raises.
+
+def to_dict(state: ScalerState, *, format: str = "scaler_core") -> dict[str, Any]:
+    """The state as a JSON-safe dict: scaler-core's checkpoint, or PyTorch's.
+
+    ``format="scaler_core"`` (the default) writes every field, with a schema name
+    and version. ``format="torch"`` writes the five keys of
+    ``torch.amp.GradScaler.state_dict()``: only PyTorch's fields survive, and knobs
+    PyTorch lacks (floors, hysteresis, ...) are dropped. :func:`from_dict` reads
+    both. A device state is read back to the host first; a recorded failure raises.
+
+    Raises:
+        InvalidArgumentError: ``format`` is not one of :data:`FORMATS`.
 
     >>> from scaler_core import init
     >>> d = to_dict(init())
     >>> d["schema"], d["version"], d["state"]["scale"]
     ('scaler_core.state', 2, 65536.0)
+    >>> to_dict(init(), format="torch")["_growth_tracker"]
+    0
     """
+    if format not in FORMATS:
+        raise InvalidArgumentError(
+            f"format={format!r}, but it must be one of {list(FORMATS)}: 'scaler_core' for "
+            f"every field, 'torch' for torch.amp.GradScaler.state_dict()'s keys"
+        )
+    if format == "torch":
+        return _to_torch(state)
     host = state.to_host()
     config = host.config.to_dict()
     for name in _OPTIONAL_CONFIG_FIELDS:
@@ -172,20 +192,37 @@ def _config(where: str, data: object, keys: tuple[str, ...] = _CONFIG_FIELDS) ->
         raise InvalidStateError(f"{where}: {exc}") from exc
 
 
-def from_dict(data: Mapping[str, Any]) -> ScalerState:
-    """Rebuild a state saved by :func:`to_dict`, validating every field.
+def from_dict(data: Mapping[str, Any], config: ScalerConfig | None = None) -> ScalerState:
+    """Rebuild a state from either format :func:`to_dict` writes, validating every field.
 
-    Reads the current version and version 1 (written before spike skipping
-    existed: its config gets spike skipping off, its state a fresh window).
+    A scaler-core checkpoint (it has a ``"schema"`` key) carries its own config;
+    the current version and version 1 are read (version 1 was written before spike
+    skipping existed: its config gets spike skipping off, its state a fresh window).
+    A ``torch.amp.GradScaler.state_dict()`` gives the scale, the factors, the
+    interval and the growth tracker; every other knob comes from ``config``
+    (defaults when omitted), and ``init_scale`` becomes the saved scale.
 
     Raises:
-        InvalidStateError: ``data`` is empty, partial, of another schema or
-            version, wrongly typed, or out of range; the message names the key.
+        InvalidStateError: ``data`` is empty (a disabled GradScaler saves ``{}``),
+            partial, of another schema or version, wrongly typed, or out of range
+            (the message names the key); or ``config`` is given with a scaler-core
+            checkpoint, which carries its own.
 
     >>> from scaler_core import init
     >>> from_dict(to_dict(init())) == init()
     True
+    >>> from_dict(to_dict(init(), format="torch")) == init()
+    True
     """
+    if isinstance(data, Mapping) and "schema" not in data and set(data) & set(_TORCH_KEYS):
+        return from_torch_state_dict(data, config)
+    if config is not None:
+        raise _bad(
+            "config",
+            config,
+            "None with a scaler_core checkpoint, which carries its own config (config= is "
+            "for a torch.amp.GradScaler.state_dict())",
+        )
     data = _mapping("checkpoint", data)
     _exact_keys("checkpoint", data, ("schema", "version", "config", "state"))
     if type(data["schema"]) is not str or data["schema"] != SCHEMA:
@@ -248,12 +285,8 @@ def from_dict(data: Mapping[str, Any]) -> ScalerState:
     )
 
 
-def to_torch_state_dict(state: ScalerState) -> dict[str, Any]:
-    """The state in the format of ``torch.amp.GradScaler.state_dict()``.
-
-    Only PyTorch's fields survive; knobs PyTorch lacks (floors, hysteresis, ...)
-    are not representable there and are dropped.
-    """
+def _to_torch(state: ScalerState) -> dict[str, Any]:
+    """The state in the format of ``torch.amp.GradScaler.state_dict()``."""
     host = state.to_host()
     cfg = host.config
     return {
@@ -277,10 +310,8 @@ def _torch_field(base: ScalerConfig, field: str, key: str, value: Any) -> None:
 def from_torch_state_dict(
     data: Mapping[str, Any], config: ScalerConfig | None = None
 ) -> ScalerState:
-    """A state from ``torch.amp.GradScaler.state_dict()``.
-
-    The factors and interval come from ``data``; every other knob from
-    ``config`` (defaults when omitted). ``init_scale`` becomes the saved scale.
+    """A state from ``torch.amp.GradScaler.state_dict()`` (see :func:`from_dict`),
+    ``data`` read as that format whatever its keys.
 
     Raises:
         InvalidStateError: ``data`` is empty (a disabled GradScaler saves
@@ -314,7 +345,7 @@ def with_torch_entries(state: ScalerState, data: Mapping[str, Any]) -> ScalerSta
     saves): PyTorch's entries win, as PyTorch's class loads them, so an edited
     ``scale``, factor, interval or tracker takes effect; ``state`` (the scaler-core
     payload) supplies every other field. Unedited entries give ``state`` back. Each
-    entry is validated as :func:`from_torch_state_dict` validates it, against
+    entry is validated as :func:`from_dict` validates a PyTorch state dict, against
     ``state``'s config (its bounds, a static scale), before anything is built.
 
     Raises:

@@ -37,14 +37,13 @@ import jax
 import jax.numpy as jnp
 
 from ._errors import InvalidArgumentError
-from ._registration import register_flax_serialization, register_pytree
+from ._registration import register_flax_serialization
 from .backends._jax import BACKEND, to_device
 
 __all__ = [
     "found_reducer",
     "reduce_found",
     "register_flax_serialization",
-    "register_pytree",
     "to_device",
 ]
 

@@ -25,11 +25,10 @@ Run them from a plain test function in your own test file::
 from typing import Any
 
 from .._errors import MissingDependencyError
-from ._contract import BACKEND_CHECKS, BackendSubject, check_backend
+from ._contract import BACKEND_CHECKS, check_backend
 
 try:
     from ._policy import (
-        Policy,
         check_invariants,
         check_policy,
         check_step,
@@ -51,8 +50,6 @@ except MissingDependencyError as _missing:  # pragma: no cover - only without hy
 
 __all__ = [
     "BACKEND_CHECKS",
-    "BackendSubject",
-    "Policy",
     "check_backend",
     "check_invariants",
     "check_policy",

@@ -39,7 +39,7 @@ from .._f32 import FLT_MIN, f32
 from .._report import LeafReport, non_finite_leaves
 from .._state import ScalerState, host_update, init
 
-__all__ = ["BACKEND_CHECKS", "BackendSubject", "check_backend"]
+__all__ = ["BACKEND_CHECKS", "check_backend"]
 
 _BF16 = np.dtype(ml_dtypes.bfloat16)
 _DTYPES = (np.dtype(np.float16), _BF16, np.dtype(np.float32), np.dtype(np.float64))

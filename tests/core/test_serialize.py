@@ -151,12 +151,12 @@ TORCH_BAD = {
 @pytest.mark.parametrize(("data", "words"), TORCH_BAD.values(), ids=TORCH_BAD.keys())
 def test_malformed_torch_state_dicts(data: dict[str, Any], words: str) -> None:
     with pytest.raises(sc.InvalidStateError, match=words):
-        sc.from_torch_state_dict(data)
+        sc.from_dict(data)
 
 
 def test_torch_format_round_trip_without_torch() -> None:
     state = run(sc.ScalerConfig(growth_interval=9, min_scale=4.0), [False, False, True, False])
-    exported = sc.to_torch_state_dict(state)
+    exported = sc.to_dict(state, format="torch")
     assert exported == {
         "scale": 32768.0,
         "growth_factor": 2.0,
@@ -164,7 +164,7 @@ def test_torch_format_round_trip_without_torch() -> None:
         "growth_interval": 9,
         "_growth_tracker": 1,
     }
-    back = sc.from_torch_state_dict(exported, sc.ScalerConfig(min_scale=4.0))
+    back = sc.from_dict(exported, sc.ScalerConfig(min_scale=4.0))
     assert (back.scale, back.growth_tracker, back.config.min_scale) == (32768.0, 1, 4.0)
 
 
@@ -195,13 +195,28 @@ def test_schema_and_version_must_be_exactly_what_to_dict_writes(key: str, value:
         sc.from_dict({**sc.to_dict(sc.init()), key: value})
 
 
+def test_one_pair_of_functions_reads_and_writes_both_formats() -> None:
+    """to_dict writes either format, from_dict tells them apart by their keys; a config is
+    for PyTorch's format only (scaler-core's carries its own), and an unknown format is
+    refused before anything is read."""
+    state = run(sc.ScalerConfig(min_scale=4.0), [False, True])
+    assert sc.from_dict(sc.to_dict(state)) == state
+    back = sc.from_dict(sc.to_dict(state, format="torch"), sc.ScalerConfig(min_scale=4.0))
+    assert (back.scale, back.growth_tracker, back.config.min_scale) == (32768.0, 0, 4.0)
+    assert back.config.init_scale == back.scale  # the saved scale starts the new run
+    with pytest.raises(sc.InvalidStateError, match=r"config=.*carries its own config"):
+        sc.from_dict(sc.to_dict(state), sc.ScalerConfig())
+    with pytest.raises(sc.InvalidArgumentError, match=r"format='pytorch'.*'torch'"):
+        sc.to_dict(state, format="pytorch")
+
+
 def test_a_torch_state_dict_error_names_its_own_key() -> None:
-    data = sc.to_torch_state_dict(sc.init())
+    data = sc.to_dict(sc.init(), format="torch")
     with pytest.raises(sc.InvalidStateError, match=r"state_dict\['scale'\]=-1\.0") as info:
-        sc.from_torch_state_dict({**data, "scale": -1.0})
+        sc.from_dict({**data, "scale": -1.0})
     assert "init_scale" not in str(info.value)
     with pytest.raises(sc.InvalidStateError, match=r"state_dict\['backoff_factor'\]"):
-        sc.from_torch_state_dict({**data, "backoff_factor": 1.5})
+        sc.from_dict({**data, "backoff_factor": 1.5})
 
 
 @pytest.mark.parametrize("scale", [65536.3, 0.1])
@@ -215,4 +230,4 @@ def test_a_scale_that_is_not_a_float32_is_refused_like_a_factor(scale: float) ->
     with pytest.raises(sc.InvalidConfigError, match=rf"use {nearest!r}"):
         sc.ScalerConfig(init_scale=scale)
     with pytest.raises(sc.InvalidStateError, match=rf"use {nearest!r}"):
-        sc.from_torch_state_dict({**sc.to_torch_state_dict(sc.init()), "scale": scale})
+        sc.from_dict({**sc.to_dict(sc.init(), format="torch"), "scale": scale})

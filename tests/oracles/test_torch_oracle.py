@@ -175,7 +175,7 @@ def test_state_dict_round_trips_with_torch_gradscaler() -> None:
         scaler.step(opt)
         scaler.update()
     exported = scaler.state_dict()
-    state = sc.from_torch_state_dict(exported)
+    state = sc.from_dict(exported)
     assert state.scale == exported["scale"] == 512.0
     assert state.growth_tracker == exported["_growth_tracker"] == 1
     assert state.config.growth_interval == 7
@@ -183,7 +183,7 @@ def test_state_dict_round_trips_with_torch_gradscaler() -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         fresh = torch.amp.GradScaler("cpu")
-    fresh.load_state_dict(sc.to_torch_state_dict(state))
+    fresh.load_state_dict(sc.to_dict(state, format="torch"))
     assert fresh.state_dict() == exported
     ours_next = sc.update(state, False)
-    assert sc.to_torch_state_dict(ours_next)["_growth_tracker"] == 2
+    assert sc.to_dict(ours_next, format="torch")["_growth_tracker"] == 2

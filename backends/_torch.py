@@ -485,7 +485,7 @@ class TorchNamespace:
     @staticmethod
     def logical_or(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         """On ``a``'s device."""
-        return a | b.to(a.device, non_blocking=True)
+        return a | (b if b.device == a.device else b.to(a.device, non_blocking=True))
 
     @staticmethod
     def isfinite(a: torch.Tensor) -> torch.Tensor:

@@ -175,12 +175,14 @@ def as_flag(xp: Any, found: Any, what: str = "found") -> Any:
         GradientTypeError: ``found`` is neither (an int, a float, an array of
             another shape or dtype, a container); the message names ``what``.
     """
+    if xp.is_array(found):  # a device flag: the common case, checked first
+        if tuple(found.shape) == () and str(found.dtype) in _BOOL_DTYPES:
+            return found
+        raise flag_error(what, describe(found))
     host = host_flag(found, what)
-    if host is not None:
-        return xp.flag(host)
-    if xp.is_array(found) and tuple(found.shape) == () and str(found.dtype) in _BOOL_DTYPES:
-        return found
-    raise flag_error(what, describe(found))
+    if host is None:
+        raise flag_error(what, describe(found))
+    return xp.flag(host)
 
 
 #: How the array libraries spell the boolean dtype (``torch.bool`` for torch).

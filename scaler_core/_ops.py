@@ -175,7 +175,7 @@ def as_flag(xp: Any, found: Any, what: str = "found") -> Any:
         GradientTypeError: ``found`` is neither (an int, a float, an array of
             another shape or dtype, a container); the message names ``what``.
     """
-    if xp.is_array(found):  # a device flag: the common case, checked first
+    if not xp.on_host and xp.is_array(found):  # a device flag: the common case, first
         if tuple(found.shape) == () and str(found.dtype) in _BOOL_DTYPES:
             return found
         raise flag_error(what, describe(found))

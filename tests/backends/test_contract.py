@@ -244,3 +244,14 @@ def test_every_built_in_backend_inherits_the_flag_operations_from_the_core() -> 
         for member in CORE_MEMBERS:
             assert getattr(backend_class, member) is getattr(sc.Backend, member), (name, member)
     assert "numpy" in checked
+
+
+def test_numpy_flags_come_back_as_numpy_bools_whatever_host_flag_went_in() -> None:
+    """On the host every flag is read by one rule: a bool, a numpy.bool_ and a 0-d boolean
+    array all give a numpy.bool_ (not the array itself), as the reference promises."""
+    numpy = sc.get_backend("numpy")
+    for flag in (True, np.bool_(True), np.array(True)):
+        out = numpy.any(flag)
+        assert type(out) is np.bool_, flag
+        assert out, flag
+    assert type(numpy.any(np.array(False), False)) is np.bool_

@@ -1,6 +1,8 @@
 """The backend protocol, the backend registry and dispatch from arrays.
 
-A backend implements unscale and non-finite detection for one array library.
+A backend provides one array library's fused passes and its array namespace; the
+operations on flags are written once, here (the protocol's default methods, over
+``scaler_core._ops``), and every operation on gradients in ``scaler_core._ops``.
 Backends are looked up by name or from the arrays themselves: the leaf's type
 names its top-level module (``numpy``, ``cupy``, ``jax``/``jaxlib``, ``torch``), which is
 necessarily imported already, so dispatch never imports a library the user has

@@ -120,9 +120,19 @@ def _device_error() -> BackendUnavailableError | None:
     return None
 
 
-# ------------------------------------------------------------------ kernels
-class _Kernels:
-    """The compiled module, one per device (compiled by NVRTC on first use)."""
+# ------------------------------------------------------------------ the GPU
+class _Gpu:
+    """Every step of the launch code below that needs a GPU, and nothing else: the
+    compiled kernels (one module per device, compiled by NVRTC on first use) and
+    their launch, the SM count, device memory (allocation, upload, the strided
+    copies and their write-back), the device scale's check, the stream's capture
+    state and the current device.
+
+    The plans, the chunk tables, the grid sizes, the partial slots and the order of
+    the passes are plain Python over these. A test puts the CPU build of the same
+    kernel source in this object's place (``tests/backends/cuda_on_cpu/``) and runs
+    that launch code, unchanged, on the CPU.
+    """
 
     def __init__(self) -> None:
         self._modules: dict[int, Any] = {}
@@ -131,6 +141,7 @@ class _Kernels:
         self._lock = threading.Lock()
 
     def function(self, device: int, name: str) -> Any:
+        """Kernel ``name`` on ``device``: ``fn((grid,), (block,), args)`` launches it."""
         fn = self._functions.get((device, name))
         if fn is None:
             with self._lock:
@@ -151,8 +162,53 @@ class _Kernels:
         # Past this many chunks, blocks loop over the table (grid-stride).
         return sms * _BLOCKS_PER_SM * 64
 
+    @staticmethod
+    def upload(host: np.ndarray) -> Any:
+        # Asynchronous upload on the current stream (CuPy stages it in pinned memory).
+        return cupy.asarray(host)
 
-_KERNELS = _Kernels()
+    @staticmethod
+    def zeros(shape: Any, dtype: Any) -> Any:
+        return cupy.zeros(shape, dtype=dtype)
+
+    @staticmethod
+    def empty(shape: Any, dtype: Any) -> Any:
+        return cupy.empty(shape, dtype=dtype)
+
+    @staticmethod
+    def contiguous(a: Any) -> Any:
+        return cupy.ascontiguousarray(a)
+
+    @staticmethod
+    def copy(dst: Any, src: Any) -> None:
+        dst[...] = src
+
+    @staticmethod
+    def copy_unless(src: Any, skip: Any, dst: Any) -> None:
+        _copy_back_kernel()(src, skip, dst)
+
+    @staticmethod
+    def checked_scale(scale: Any) -> Any:
+        # Reading the value would synchronise with the host. Instead a scale that is not
+        # a positive, finite, normal float32 becomes NaN on the device: every gradient
+        # is then NaN and flagged, and the update records a collapse (fail closed).
+        valid = cupy.isfinite(scale) & (scale >= _FLT_MIN)
+        return cupy.where(valid, scale, _NAN32)
+
+    @staticmethod
+    def capturing() -> bool:
+        return bool(cupy.cuda.get_current_stream().is_capturing())
+
+    @staticmethod
+    def current() -> int:
+        return int(cupy.cuda.runtime.getDevice())
+
+    @staticmethod
+    def use(device: int) -> Any:
+        return cupy.cuda.Device(device)
+
+
+_GPU = _Gpu()
 
 
 # -------------------------------------------------------------------- plans
@@ -223,15 +279,13 @@ def _group(device: int, dtype: np.dtype[Any], entries: list[tuple[int, int]]) ->
         if table is not None:
             _TABLES.move_to_end(key)
     if table is None:
-        host = _chunk_table(entries, dtype.itemsize)
-        # Asynchronous upload on the current stream (CuPy stages it in pinned memory).
-        table = cupy.asarray(host)
+        table = _GPU.upload(_chunk_table(entries, dtype.itemsize))
         with _CACHE_LOCK:
             _TABLES[key] = table
             while len(_TABLES) > _TABLE_CACHE_SIZE:
                 _TABLES.popitem(last=False)
     n_chunks = table.size // 2
-    return _Group(dtype.name, table, n_chunks, min(n_chunks, _KERNELS.max_grid(device)))
+    return _Group(dtype.name, table, n_chunks, min(n_chunks, _GPU.max_grid(device)))
 
 
 def _validated(grads: Any) -> tuple[list[Any], list[str]]:
@@ -256,7 +310,7 @@ def _validated(grads: Any) -> tuple[list[Any], list[str]]:
 
 
 def _build_plan(leaves: list[Any]) -> _Plan:
-    device = leaves[0].device.id if leaves else cupy.cuda.Device().id
+    device = leaves[0].device.id if leaves else _GPU.current()
     seen: set[int] = set()
     by_dtype: dict[np.dtype[Any], list[tuple[int, int]]] = {}
     strided: list[int] = []
@@ -357,11 +411,7 @@ def _scale_arg(scale: Any) -> tuple[Any, np.float32]:
         _check_device_scale(scale)
         if scale.dtype != np.float32:
             scale = scale.astype(np.float32)
-        # Reading the value would synchronise with the host. Instead a scale that is not
-        # a positive, finite, normal float32 becomes NaN on the device: every gradient
-        # is then NaN and flagged, and the update records a collapse (fail closed).
-        valid = cupy.isfinite(scale) & (scale >= _FLT_MIN)
-        return cupy.where(valid, scale, _NAN32), np.float32(1.0)
+        return _GPU.checked_scale(scale), np.float32(1.0)
     return _NULL, np.float32(inv_scale_of(scale))
 
 
@@ -379,7 +429,7 @@ def _strided_copies(leaves: list[Any], plan: _Plan) -> list[tuple[Any, Any]]:
     for i in plan.strided:
         leaf = leaves[i]
         bits = leaf.view(_UINT[leaf.dtype.itemsize])
-        out.append((leaf, cupy.ascontiguousarray(bits)))
+        out.append((leaf, _GPU.contiguous(bits)))
     return out
 
 
@@ -391,7 +441,7 @@ def _strided_groups(device: int, copies: list[tuple[Any, Any]]) -> list[_Group]:
 
 
 def _new_flag() -> Any:
-    return cupy.zeros(1, dtype=np.uint32)
+    return _GPU.zeros(1, np.uint32)
 
 
 def _as_bool(buf: Any) -> Any:
@@ -400,15 +450,15 @@ def _as_bool(buf: Any) -> Any:
 
 
 def _new_partials(n: int) -> Any:
-    return cupy.empty(n, dtype=np.float64)
+    return _GPU.empty(n, np.float64)
 
 
 def _new_norm() -> Any:
-    return cupy.empty((), dtype=np.float32)
+    return _GPU.empty((), np.float32)
 
 
 def _capturing() -> bool:
-    return bool(cupy.cuda.get_current_stream().is_capturing())
+    return _GPU.capturing()
 
 
 def _launch_groups(plan: _Plan, leaves: list[Any]) -> tuple[list[_Group], list[tuple[Any, Any]]]:
@@ -423,7 +473,7 @@ def _launch_groups(plan: _Plan, leaves: list[Any]) -> tuple[list[_Group], list[t
 
 def _write_back(copies: list[tuple[Any, Any]]) -> None:
     for leaf, copy in copies:
-        leaf.view(copy.dtype)[...] = copy
+        _GPU.copy(leaf.view(copy.dtype), copy)
 
 
 @functools.cache
@@ -437,7 +487,7 @@ def _copy_back_kernel() -> Any:
 def _write_back_unless(skip: Any, copies: list[tuple[Any, Any]]) -> None:
     """:func:`_write_back`, except on a skipped step (decided on the device): no write."""
     for leaf, copy in copies:
-        _copy_back_kernel()(copy, skip, leaf.view(copy.dtype))
+        _GPU.copy_unless(copy, skip, leaf.view(copy.dtype))
 
 
 def _launch(plan: _Plan, leaves: list[Any], scale: Any | None) -> Any:
@@ -446,12 +496,12 @@ def _launch(plan: _Plan, leaves: list[Any], scale: Any | None) -> Any:
     groups, copies = _launch_groups(plan, leaves)
     if scale is None:
         for g in groups:
-            fn = _KERNELS.function(plan.device, "sc_detect_" + g.suffix)
+            fn = _GPU.function(plan.device, "sc_detect_" + g.suffix)
             fn((g.grid,), (_BLOCK,), (g.table, np.int32(g.n_chunks), found))
     else:
         scale_ptr, host_inv = scale
         for g in groups:
-            fn = _KERNELS.function(plan.device, "sc_unscale_" + g.suffix)
+            fn = _GPU.function(plan.device, "sc_unscale_" + g.suffix)
             fn((g.grid,), (_BLOCK,), (g.table, np.int32(g.n_chunks), scale_ptr, host_inv, found))
         _write_back(copies)
     return _as_bool(found)
@@ -470,12 +520,12 @@ def _launch_norm(plan: _Plan, groups: list[_Group], scale: Any, kernel: str) -> 
     partials = _new_partials(sum(g.grid for g in groups))
     start = 0
     for g in groups:
-        fn = _KERNELS.function(plan.device, kernel + g.suffix)
+        fn = _GPU.function(plan.device, kernel + g.suffix)
         slots = partials[start : start + g.grid]
         fn((g.grid,), (_BLOCK,), (g.table, np.int32(g.n_chunks), scale_ptr, host_inv, found, slots))
         start += g.grid
     norm = _new_norm()
-    finish = _KERNELS.function(plan.device, "sc_norm_finish")
+    finish = _GPU.function(plan.device, "sc_norm_finish")
     finish((1,), (_BLOCK,), (partials, np.int32(start), norm))
     return _as_bool(found), norm
 
@@ -485,14 +535,14 @@ def _launch_clip(plan: _Plan, groups: list[_Group], scale: Any, clip: tuple[Any,
     the device. On a skipped step every block returns at once: nothing is written."""
     scale_ptr, host_inv = scale
     for g in groups:
-        fn = _KERNELS.function(plan.device, "sc_clip_" + g.suffix)
+        fn = _GPU.function(plan.device, "sc_clip_" + g.suffix)
         fn((g.grid,), (_BLOCK,), (g.table, np.int32(g.n_chunks), scale_ptr, host_inv, *clip))
 
 
 def _on_device(device: int) -> Any:
-    if cupy.cuda.runtime.getDevice() == device:
+    if _GPU.current() == device:
         return _NoContext()
-    return cupy.cuda.Device(device)
+    return _GPU.use(device)
 
 
 class _NoContext:

@@ -382,7 +382,7 @@ def no_device_work(cupy_mod: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     def forbid(*_args: Any, **_kwargs: Any) -> Any:
         raise AssertionError("device work happened before validation finished")
 
-    monkeypatch.setattr(_cupy._KERNELS, "function", forbid)
+    monkeypatch.setattr(_cupy._GPU, "function", forbid)
     for name in ("_group", "_new_flag", "_new_partials", "_new_norm", "_strided_copies"):
         monkeypatch.setattr(_cupy, name, forbid)
     for name in ("empty", "zeros", "full", "asarray", "ascontiguousarray", "where", "isfinite"):
@@ -549,7 +549,7 @@ class _Launches:
         self.next_address = 1 << 40
         self.grids: dict[str, int] = {}
         self.buffers: dict[str, Any] = {}
-        monkeypatch.setattr(_cupy, "_KERNELS", self)
+        monkeypatch.setattr(_cupy, "_GPU", self)
         monkeypatch.setattr(_cupy, "_group", self.group)
         monkeypatch.setattr(_cupy, "_on_device", lambda device: _cupy._NoContext())
         monkeypatch.setattr(_cupy, "_capturing", lambda: False)
@@ -560,7 +560,6 @@ class _Launches:
         )
         monkeypatch.setattr(_cupy, "_strided_copies", self.strided_copies)
         monkeypatch.setattr(_cupy, "_write_back", lambda copies: self.log.append(("write", copies)))
-        monkeypatch.setattr(_cupy, "_copy_back_kernel", lambda: self.copy_back)
 
     def fake(self, shape: tuple[int, ...], dtype: Any) -> Any:
         self.next_address += 1 << 24
@@ -587,7 +586,7 @@ class _Launches:
 
         return launch
 
-    def copy_back(self, src: Any, skip: Any, dst: Any) -> None:
+    def copy_unless(self, src: Any, skip: Any, dst: Any) -> None:
         self.log.append(("copy_back", src, skip, dst))
 
     def names(self) -> list[str]:

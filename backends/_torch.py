@@ -263,6 +263,18 @@ def _any_over_shards(leaves: Sequence[_Leaf], flag: torch.Tensor) -> torch.Tenso
 
 
 # ------------------------------------------------------------------------ scale
+def reads_free(device: torch.device) -> bool:
+    """Whether a value on ``device`` is read without a host synchronisation: the one
+    place the two routes are chosen, here and in the drop-in.
+
+    The CPU's values are (the host route: scales and flags read, the NumPy kernels,
+    a failing step raised); every other device's are not (the device route: nothing
+    read back, a failure recorded in the state). A test replaces this function to
+    send CPU tensors down the device route, with every host read forbidden.
+    """
+    return device.type == "cpu"
+
+
 def inverse_scale(scale: Any) -> tuple[torch.Tensor | float, bool | None]:
     """``(inv, needs_output_check)`` for a host scale or a 0-d tensor scale.
 
@@ -281,7 +293,7 @@ def inverse_scale(scale: Any) -> tuple[torch.Tensor | float, bool | None]:
                 f"but a tensor scale must hold one float; pass the scaler's scale"
             )
         s = scale.detach().reshape(()).float()
-        if s.device.type == "cpu":  # reading it costs nothing: validate as a host value
+        if reads_free(s.device):  # validate as a host value
             value = float(s)
             inv_scale_of(value)
             return s.double().reciprocal().float(), value < 1.0
@@ -340,7 +352,9 @@ def unscale_buckets(
                     continue
                 hit = _non_finite(tensors, device).float()
                 if check_outputs is None:
-                    hit = hit * (inv_d > 1.0).float()
+                    # Above 1 the unscale may overflow; a NaN inverse (a bad device
+                    # scale, made NaN to fail closed) made every output NaN: both count.
+                    hit = hit * (~(inv_d <= 1.0)).float()
                 # 1.0, never more: fused optimizers skip only where found_inf == 1
                 torch.maximum(flag, hit, out=flag)
 
@@ -370,7 +384,8 @@ def check_for_fused(
                 biggest = torch.stack([n.double() for n in norms]).max()
                 hit = ~torch.isfinite(biggest)
                 if inv_d is not None:
-                    hit |= (biggest * inv_d > torch.finfo(dtype).max) & (inv_d > 1.0)
+                    # NaN-safe: a NaN inverse (a bad device scale) flags the bucket.
+                    hit |= ~(biggest * inv_d <= torch.finfo(dtype).max) & ~(inv_d <= 1.0)
                 torch.maximum(flag, hit.float(), out=flag)
 
 
@@ -519,7 +534,7 @@ def namespace_on(device: torch.device) -> TorchNamespace:
 def _host_scale(scale: Any) -> float | None:
     """The scale as a float when it is one on the host (a float, a CPU tensor), else None."""
     if isinstance(scale, torch.Tensor):
-        return float(scale.detach().reshape(()).float()) if scale.device.type == "cpu" else None
+        return float(scale.detach().reshape(()).float()) if reads_free(scale.device) else None
     return float(scale)
 
 
@@ -575,7 +590,7 @@ def _host_route(
     kernels, the same results; the NumPy path would run on one thread, slower than
     PyTorch's own pair), when it serves them. Else NumPy views.
     """
-    if not all(t.is_cpu and t.layout is torch.strided for t in tensors):
+    if not all(t.is_cpu and reads_free(t.device) and t.layout is torch.strided for t in tensors):
         return None
     host = _host_scale(scale)
     if host is None:

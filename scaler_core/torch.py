@@ -47,6 +47,7 @@ from ._lifecycle import StepReport
 from ._report import LeafReport, non_finite_leaves
 from ._serialize import from_dict, from_torch_state_dict, to_dict, with_torch_entries
 from ._state import DATA_FIELDS, FLOAT_FIELDS, ScalerState, host_update, init
+from .backends import _torch as _torch_backend
 from .backends._torch import BACKEND as _TORCH
 from .backends._torch import check_for_fused, unscale_buckets
 
@@ -356,7 +357,7 @@ class GradScaler(torch.amp.GradScaler):
         """Whether the unscaled values need their own check (the scale may be below 1)."""
         if not self._may_fall_below_one():
             return False
-        if inv_scale.device.type == "cpu":  # reading it costs nothing
+        if _torch_backend.reads_free(inv_scale.device):
             return bool(inv_scale.item() > 1.0)
         return None  # decided on the device, without a synchronisation
 
@@ -542,7 +543,7 @@ class GradScaler(torch.amp.GradScaler):
         """Whether the scale lives on the CPU, where its values are read and the rules
         run on the host (raising on a failing step); elsewhere they run on the device
         and a failure is recorded there. The one place the route is decided."""
-        return cast(torch.Tensor, self._scale).device.type == "cpu"
+        return _torch_backend.reads_free(cast(torch.Tensor, self._scale).device)
 
     def _step_flag(self, found_infs: list[torch.Tensor], scale: torch.Tensor) -> Any:
         """The step's found flag: a bool on the host route, a device bool otherwise."""
@@ -591,7 +592,7 @@ class GradScaler(torch.amp.GradScaler):
                 raise AssertionError(reason)  # PyTorch's error
             if new_scale.requires_grad is True:
                 raise AssertionError(reason)  # PyTorch's error
-            if new_scale.device.type != "cpu":
+            if not _torch_backend.reads_free(new_scale.device):
                 return new_scale  # read, it would synchronise: taken as PyTorch takes it
             # The value PyTorch's copy_ would store (and its error for a bad shape).
             held = torch.empty((), dtype=torch.float32).copy_(new_scale).item()

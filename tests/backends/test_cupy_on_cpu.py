@@ -25,6 +25,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from scaler_core import _ops
+from scaler_core.testing import BACKEND_CHECKS, check_backend
 
 ROOT = Path(__file__).resolve().parents[2]
 SOURCE = (ROOT / "backends" / "_cupy_kernels.cu").read_text(encoding="utf-8")
@@ -302,3 +303,30 @@ def test_the_build_refuses_an_instruction_it_does_not_know() -> None:
     )
     with pytest.raises(BUILD.BuildError, match="13 asm statements"):
         BUILD.rewrite(SOURCE + "\n" + extra + "\n")
+
+
+#: The contract's checks that run CuPy's own elementwise kernels (the leaf report's
+#: counts, the loss's product, the device transition), not ours: those run on a GPU.
+GPU_ONLY_CHECKS = ("leaf_report", "scale_loss", "update")
+
+
+@pytest.mark.parametrize("check", [c for c in BACKEND_CHECKS if c not in GPU_ONLY_CHECKS], ids=str)
+def test_the_contract_suite_passes_on_the_cpu_build(
+    kernels: Any, cupy: Any, monkeypatch: pytest.MonkeyPatch, check: str
+) -> None:
+    """The CuPy backend, its GPU replaced by the CPU build and its flags by NumPy on the
+    same memory, keeps every rule of the contract that its kernels carry."""
+    from scaler_core.backends import _cupy
+
+    gpu = BUILD.HostGpu(kernels, cupy, max_grid=3)
+    monkeypatch.setattr(_cupy, "_GPU", gpu)
+    monkeypatch.setattr(_cupy, "_TABLES", type(_cupy._TABLES)())
+    monkeypatch.setattr(_cupy, "_PLANS", type(_cupy._PLANS)())
+    monkeypatch.setattr(_cupy, "NAMESPACE", BUILD.host_namespace(gpu, _cupy.CupyNamespace))
+    ran = check_backend(
+        _cupy.CupyBackend(),
+        asarray=lambda a: gpu.view(np.array(a, copy=True)),
+        to_numpy=lambda a: gpu.host(a).copy(),
+        only=[check],
+    )
+    assert ran == [check]

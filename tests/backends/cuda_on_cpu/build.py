@@ -331,3 +331,37 @@ class HostGpu:
         import contextlib
 
         return contextlib.nullcontext()
+
+
+def host_namespace(gpu: HostGpu, base: type) -> Any:
+    """The CuPy backend's namespace (``base``) with the flag operations done by NumPy on
+    :class:`HostGpu` arrays: what the core's ``select``, ``any`` and ``to_bool`` need.
+    (Arithmetic on CuPy arrays, as the device transition does, still needs a GPU.)"""
+
+    def host(a: Any) -> Any:
+        return gpu.host(a) if isinstance(a, gpu.cupy.ndarray) else a
+
+    class HostNamespace(base):  # type: ignore[misc, valid-type]
+        @staticmethod
+        def flag(value: bool) -> Any:
+            return gpu.view(np.array(bool(value)))
+
+        @staticmethod
+        def read(flag: Any) -> bool:
+            return bool(gpu.host(flag))
+
+        @staticmethod
+        def logical_or(a: Any, b: Any) -> Any:
+            return gpu.view(np.array(np.logical_or(host(a), host(b))))
+
+        @staticmethod
+        def where(cond: Any, a: Any, b: Any) -> Any:
+            return gpu.view(np.array(np.where(host(cond), host(a), host(b))))
+
+        @staticmethod
+        def asarray(value: Any, dtype: Any = None) -> Any:
+            if isinstance(value, gpu.cupy.ndarray):
+                return value
+            return gpu.view(np.array(value, dtype=dtype))
+
+    return HostNamespace()

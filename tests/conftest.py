@@ -17,6 +17,7 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 import pytest
 from hypothesis import HealthCheck, settings
@@ -112,3 +113,20 @@ def run_python() -> Callable[..., str]:
         return result.stdout
 
     return run
+
+
+#: Lines tests ask to see at the end of the run (``summary_line``), in order.
+_SUMMARY: list[str] = []
+
+
+@pytest.fixture
+def summary_line() -> Callable[[str], None]:
+    """Print a line in pytest's terminal summary (what a test counted), captured or not."""
+    return _SUMMARY.append
+
+
+def pytest_terminal_summary(terminalreporter: Any) -> None:
+    if _SUMMARY:
+        terminalreporter.section("counts")
+        for line in _SUMMARY:
+            terminalreporter.write_line(line)

@@ -158,7 +158,9 @@ def run(kernels: Any, cupy: Any, monkeypatch: pytest.MonkeyPatch) -> Callable[..
     return make
 
 
-def test_every_entry_point_runs_bit_for_bit_for_every_dtype(run: Callable[..., Run]) -> None:
+def test_every_entry_point_runs_bit_for_bit_for_every_dtype(
+    run: Callable[..., Run], summary_line: Callable[[str], None]
+) -> None:
     """Each of the 21 kernels launched, over every dtype, sizes around the chunk and the
     vector width, misaligned and strided leaves, special values, and the scales that
     take each branch (1: nothing written; 0.25: overflows made by the unscale)."""
@@ -188,7 +190,10 @@ def test_every_entry_point_runs_bit_for_bit_for_every_dtype(run: Callable[..., R
     entry = {f"sc_{op}_{dt}" for op in KERNEL_OPS for dt in KERNEL_DTYPES} | {"sc_norm_finish"}
     launched = {name for name, _ in r.gpu.launches}
     assert launched == entry, sorted(entry ^ launched)
-    print(f"{cases} cases, {len(r.gpu.launches)} launches of {len(launched)} entry points")
+    summary_line(
+        f"CUDA kernels on the CPU: {cases} cases bit for bit, {len(r.gpu.launches)} launches "
+        f"of all {len(launched)} entry points, 4 dtypes"
+    )
 
 
 @st.composite

@@ -411,8 +411,24 @@ class GradScaler(torch.amp.GradScaler):
             self._stepped[id(optimizer)] = True
         return retval
 
-    def unscale_and_clip_(self, optimizer: torch.optim.Optimizer, max_norm: float) -> torch.Tensor:
-        """``unscale_(optimizer)`` and ``clip_grad_norm_(its params, max_norm)`` in one call.
+    def unscale_and_clip_(
+        self,
+        optimizer: torch.optim.Optimizer,
+        max_norm: float,
+        norm_type: float | str = 2.0,
+        error_if_nonfinite: bool = False,
+        foreach: bool | None = None,
+        *,
+        parameters: Any = None,
+    ) -> torch.Tensor:
+        """``unscale_(optimizer)`` and ``clip_grad_norm_(its params, max_norm, ...)`` in one call.
+
+        Takes ``clip_grad_norm_``'s arguments after ``max_norm`` (``norm_type``,
+        ``error_if_nonfinite``, ``foreach``) and, as ``parameters=``, the subset of the
+        optimizer's parameters whose gradients to clip (all of them by default). With
+        the defaults (the L2 norm over all of them, no error) the call is the fused
+        path below; otherwise it is exactly PyTorch's recipe, ``unscale_`` then
+        ``clip_grad_norm_`` with these arguments, with PyTorch's results and errors.
 
         Returns the total norm of the unscaled gradients, as ``clip_grad_norm_`` does,
         and records the optimizer's found flag as ``unscale_`` does (so ``step`` skips
@@ -434,12 +450,28 @@ class GradScaler(torch.amp.GradScaler):
 
         Raises:
             RuntimeError: As ``unscale_``: called twice for the optimizer in a step, or
-                after ``step``.
-            InvalidArgumentError: ``max_norm`` is not a positive finite number.
+                after ``step``. As ``clip_grad_norm_``: ``error_if_nonfinite`` and the
+                total norm is NaN or inf (the gradients are unscaled by then, as in
+                PyTorch's recipe).
+            InvalidArgumentError: ``max_norm`` is not a positive finite number,
+                ``norm_type`` is not a positive number (``inf`` included), or a tensor
+                of ``parameters`` is not one of the optimizer's; before anything changes.
         """
         params = [p for group in optimizer.param_groups for p in group["params"]]
+        chosen = params if parameters is None else _subset(parameters, params)
+        p_norm = _norm_type(norm_type)
         if not self._enabled:
-            return torch.nn.utils.clip_grad_norm_(params, max_norm)
+            return torch.nn.utils.clip_grad_norm_(
+                chosen, max_norm, p_norm, error_if_nonfinite, foreach
+            )
+        everything = {id(p) for p in chosen} == {id(p) for p in params}
+        if p_norm != _L2 or error_if_nonfinite or not everything:
+            _ops.max_norm_of(max_norm)  # checked before anything changes, as below
+            self.unscale_(optimizer)
+            self._norm = torch.nn.utils.clip_grad_norm_(
+                chosen, max_norm, p_norm, error_if_nonfinite, foreach
+            )
+            return self._norm
         _scale, _ = self._check_scale_growth_tracker("unscale_")
         optimizer_state = self._per_optimizer_states[id(optimizer)]
         if optimizer_state["stage"] is OptState.UNSCALED:
@@ -743,3 +775,46 @@ class GradScaler(torch.amp.GradScaler):
         out["_on_step"] = None  # a callback may be a closure or lambda: pass it again
         out["_leaves"], out["_norm"] = [], None
         return out
+
+
+#: The norm the fused path computes (``clip_grad_norm_``'s default ``norm_type``).
+_L2 = 2.0
+
+
+def _norm_type(norm_type: Any) -> float:
+    """``norm_type`` as ``clip_grad_norm_`` reads it (a number, or ``"inf"``), checked.
+
+    Raises:
+        InvalidArgumentError: Not a positive number (``inf`` included).
+    """
+    must = "a positive number or inf (2.0 for the L2 norm, float('inf') for the largest |g|)"
+    if isinstance(norm_type, str) and norm_type.strip().lower() == "inf":
+        return math.inf
+    if isinstance(norm_type, bool) or not isinstance(norm_type, numbers.Real):
+        raise InvalidArgumentError(f"norm_type={norm_type!r}, but it must be {must}")
+    value = float(norm_type)
+    if not value > 0.0:  # NaN, zero and negative orders
+        raise InvalidArgumentError(f"norm_type={norm_type!r}, but it must be {must}")
+    return value
+
+
+def _subset(parameters: Any, params: list[torch.Tensor]) -> list[torch.Tensor]:
+    """``parameters`` (a tensor or an iterable of them) as a list, each one of the
+    optimizer's ``params`` (another's gradient would be clipped while still scaled).
+
+    Raises:
+        InvalidArgumentError: A tensor is not one of the optimizer's parameters.
+    """
+    chosen = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+    owned = {id(p) for p in params}
+    for i, p in enumerate(chosen):
+        if id(p) not in owned:
+            shown = f"a {type(p).__name__}" + (
+                f" of shape {tuple(p.shape)}" if isinstance(p, torch.Tensor) else ""
+            )
+            raise InvalidArgumentError(
+                f"parameters[{i}] is {shown} that is not a parameter of the optimizer, but "
+                f"unscale_and_clip_ unscales the optimizer's gradients only; pass a subset of "
+                f"its parameters, or call unscale_ and clip_grad_norm_ yourself"
+            )
+    return chosen

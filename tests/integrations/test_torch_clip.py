@@ -202,3 +202,92 @@ def test_the_torch_extra_brings_numba() -> None:
     brought = _extra_requirements(requires, "torch")
     assert "torch" in brought
     assert "numba" in brought, f"the torch extra brings {sorted(brought)}, not numba"
+
+
+# ------------------------------------------------------- clip_grad_norm_'s arguments
+def _recipe_run(ours: bool, steps: int = 10, **clip: Any) -> tuple[list[float], list[Any]]:
+    """A short run with two inf steps, clipping with ``clip_grad_norm_``'s arguments:
+    through ``unscale_and_clip_`` (``ours``) or PyTorch's class and recipe."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(12, 24), torch.nn.Tanh(), torch.nn.Linear(24, 3))
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    cls = GradScaler if ours else torch.amp.GradScaler
+    scaler = cls("cpu", init_scale=2.0**10, growth_interval=3)
+    subset = clip.pop("subset", False)
+    chosen = list(model[0].parameters()) if subset else list(model.parameters())
+    norms = []
+    for i in range(steps):
+        loss = model(torch.randn(8, 12)).square().sum() * (math.inf if i in (3, 7) else 1.0)
+        scaler.scale(loss).backward()
+        if ours:
+            norm = scaler.unscale_and_clip_(opt, 0.5, parameters=chosen if subset else None, **clip)
+        else:
+            scaler.unscale_(opt)
+            norm = torch.nn.utils.clip_grad_norm_(chosen, 0.5, **clip)
+        norms.append(float(norm))
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+    return norms, [p.detach().clone() for p in model.parameters()]
+
+
+@pytest.mark.parametrize(
+    "clip",
+    [
+        {"norm_type": 1.0},
+        {"norm_type": 3},
+        {"norm_type": math.inf},
+        {"norm_type": "inf"},
+        {"subset": True},
+        {"subset": True, "norm_type": math.inf, "foreach": False},
+    ],
+    ids=str,
+)
+def test_clip_grad_norms_arguments_give_pytorchs_recipe_bit_for_bit(clip: dict[str, Any]) -> None:
+    """Other norms, a subset of the parameters, foreach: PyTorch's recipe exactly (norms,
+    skipped steps and parameters), as ``unscale_`` then ``clip_grad_norm_``."""
+    ours = _recipe_run(True, **dict(clip))
+    want = _recipe_run(False, **dict(clip))
+    np.testing.assert_array_equal(np.array(ours[0]), np.array(want[0]))
+    for p, q in zip(ours[1], want[1], strict=True):
+        assert torch.equal(p, q)
+
+
+def test_error_if_nonfinite_raises_pytorchs_error_on_an_overflow() -> None:
+    messages = []
+    for ours in (True, False):
+        with pytest.raises(RuntimeError, match="non-finite") as info:
+            _recipe_run(ours, error_if_nonfinite=True)
+        messages.append(str(info.value))
+    assert messages[0] == messages[1]
+    # and on a run without overflow it changes nothing
+    finite = {"error_if_nonfinite": True}
+    assert _recipe_run(True, steps=3, **finite)[0] == _recipe_run(False, steps=3, **finite)[0]
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "words"),
+    [
+        ({"norm_type": -1.0}, r"norm_type=-1\.0, but it must be a positive number"),
+        ({"norm_type": 0}, r"norm_type=0,"),
+        ({"norm_type": math.nan}, r"norm_type=nan,"),
+        ({"norm_type": True}, r"norm_type=True,"),
+        ({"norm_type": "two"}, r"norm_type='two',"),
+        ({"parameters": [torch.nn.Parameter(torch.ones(2))]}, r"parameters\[0\] is a Parameter"),
+        ({"max_norm": -1.0, "norm_type": 1.0}, r"max_norm=-1\.0"),
+    ],
+    ids=str,
+)
+def test_bad_clip_arguments_are_refused_before_anything_changes(
+    kwargs: dict[str, Any], words: str
+) -> None:
+    model = torch.nn.Linear(4, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = GradScaler("cpu", init_scale=4.0)
+    scaler.scale(model(torch.ones(3, 4)).sum()).backward()
+    before = [p.grad.clone() for p in model.parameters()]
+    max_norm = kwargs.pop("max_norm", 1.0)
+    with pytest.raises(InvalidArgumentError, match=words):
+        scaler.unscale_and_clip_(opt, max_norm, **kwargs)
+    assert all(torch.equal(p.grad, b) for p, b in zip(model.parameters(), before, strict=True))
+    scaler.unscale_(opt)  # the optimizer was not marked unscaled

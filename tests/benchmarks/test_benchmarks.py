@@ -257,3 +257,20 @@ def test_transition_bench_checks_every_form_against_the_host_one(
     bad = _run(sys.executable, "benchmarks/bench_transition.py", "--steps", "0", timeout=60)
     assert bad.returncode == 2
     assert len(bad.stderr.strip().splitlines()) == 1
+
+
+def test_jax_loop_bench_checks_jmp_and_the_port_agree_then_times_them(tmp_path: Path) -> None:
+    pytest.importorskip("jax")
+    out = tmp_path / "loop.json"
+    run = _run(
+        *(sys.executable, "benchmarks/bench_jax_loop.py", "--width", "16", "--steps", "3"),
+        *("--reps", "2", "--json", str(out)),
+        timeout=300,
+    )
+    assert run.returncode == 0, run.stderr
+    result = json.loads(out.read_text())
+    assert {"scaler_core", "scaler_core_spikes"} <= set(result["us_per_step"])
+    assert all(v > 0 for v in result["us_per_step"].values())
+    bad = _run(sys.executable, "benchmarks/bench_jax_loop.py", "--reps", "0", timeout=60)
+    assert bad.returncode == 2
+    assert "--reps=0, but it must be at least 1" in bad.stderr

@@ -51,7 +51,7 @@ from .backends import _torch as _torch_backend
 from .backends._torch import BACKEND as _TORCH
 from .backends._torch import check_for_fused, unscale_buckets
 
-__all__ = ["GradScaler"]
+__all__ = ["GradScaler", "ShardedGradScaler"]
 
 #: The state fields beyond PyTorch's two tensors (``_scale``, ``_growth_tracker``).
 _EXTRA = tuple(name for name in DATA_FIELDS if name not in ("scale", "growth_tracker"))
@@ -150,6 +150,10 @@ class GradScaler(torch.amp.GradScaler):
     >>> isinstance(scaler, torch.amp.GradScaler), scaler.get_scale()
     (True, 1024.0)
     """
+
+    #: Whether float16 gradients may be unscaled (PyTorch's ``unscale_`` refuses them;
+    #: its ``ShardedGradScaler``, for FSDP's low-precision gradients, takes them).
+    _ALLOW_FP16 = False
 
     def __init__(
         self,
@@ -288,7 +292,7 @@ class GradScaler(torch.amp.GradScaler):
     ) -> dict[torch.device, torch.Tensor]:
         """As PyTorch's (the same grouping, errors and sparse handling), with the rules'
         check of the unscaled values where the scale may be below 1."""
-        buckets = self._buckets(optimizer, allow_fp16)
+        buckets = self._buckets(optimizer, allow_fp16 or self._ALLOW_FP16)
         found = {dev: found_inf.to(dev, copy=True, non_blocking=True) for dev in buckets}
         unscale_buckets(buckets, inv_scale, found, self._check_outputs(inv_scale))
         self._reduce(found)
@@ -384,8 +388,9 @@ class GradScaler(torch.amp.GradScaler):
             return
         import torch.distributed as dist  # noqa: PLC0415 - only data-parallel users need it
 
+        group = None if self._process_group is _DEFAULT_GROUP else self._process_group
         for flag in found.values():
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._process_group)
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
 
     def _maybe_opt_step(
         self,
@@ -480,7 +485,7 @@ class GradScaler(torch.amp.GradScaler):
             )
         if optimizer_state["stage"] is OptState.STEPPED:
             raise RuntimeError("unscale_() is being called after step().")  # PyTorch's error
-        buckets = self._buckets(optimizer, allow_fp16=False)  # PyTorch's checks, nothing changed
+        buckets = self._buckets(optimizer, self._ALLOW_FP16)  # PyTorch's checks, nothing changed
         owners = [p for p in params if p.grad is not None]
 
         def reduce(flag: torch.Tensor) -> torch.Tensor:
@@ -775,6 +780,77 @@ class GradScaler(torch.amp.GradScaler):
         out["_on_step"] = None  # a callback may be a closure or lambda: pass it again
         out["_leaves"], out["_norm"] = [], None
         return out
+
+
+#: ``process_group`` of :class:`ShardedGradScaler` by default: the default group, looked
+#: up at each step (as ``dist.group.WORLD`` would be once the group exists).
+_DEFAULT_GROUP: Any = type("_DefaultGroup", (), {"__repr__": lambda self: "WORLD"})()
+
+
+class ShardedGradScaler(GradScaler):
+    """A drop-in for ``torch.distributed.fsdp.sharded_grad_scaler.ShardedGradScaler``
+    (FSDP1): :class:`GradScaler`, with that class's arguments and behaviour.
+
+    Its positional order is PyTorch's ``ShardedGradScaler``'s, which differs from
+    ``GradScaler``'s: ``(device, init_scale, backoff_factor, growth_factor,
+    growth_interval, enabled, process_group)``. The found flags are ORed over
+    ``process_group`` (by default the default group, looked up at each step, as
+    PyTorch's uses it); float16 gradients (FSDP's ``keep_low_precision_grads``) are
+    unscaled; ``scale`` returns the scaled loss in the loss's own dtype, as PyTorch's
+    does. Everything else (failing closed, ``unscale_and_clip_``, ``on_step``,
+    ``config=``) is :class:`GradScaler`'s.
+
+    >>> scaler = ShardedGradScaler("cpu", 2.0**10, 0.25)  # backoff_factor third
+    >>> scaler.get_backoff_factor()
+    0.25
+    """
+
+    _ALLOW_FP16 = True
+
+    def __init__(
+        self,
+        device: str = "cuda",
+        init_scale: float = 2.0**16,
+        backoff_factor: float = 0.5,
+        growth_factor: float = 2.0,
+        growth_interval: int = 2000,
+        enabled: bool = True,
+        process_group: Any = _DEFAULT_GROUP,
+        *,
+        config: ScalerConfig | None = None,
+        on_step: Any = None,
+        report_leaves: bool = False,
+    ) -> None:
+        super().__init__(
+            device,
+            init_scale,
+            growth_factor,
+            backoff_factor,
+            growth_interval,
+            enabled,
+            config=config,
+            process_group=process_group,
+            on_step=on_step,
+            report_leaves=report_leaves,
+        )
+
+    def scale(self, outputs: Any) -> Any:
+        """``outputs`` times the scale, each in its own dtype (as PyTorch's class returns
+        it: a float16 loss stays float16)."""
+        if not self._enabled:
+            return outputs
+        if isinstance(outputs, torch.Tensor):
+            return super().scale(outputs).type(outputs.dtype)
+
+        def cast(scaled: Any, given: Any) -> Any:
+            if isinstance(given, torch.Tensor):
+                return scaled.type(given.dtype)
+            if isinstance(given, (list, tuple)):
+                return type(given)(cast(a, b) for a, b in zip(scaled, given, strict=True))
+            return scaled
+
+        given = list(outputs) if not isinstance(outputs, (list, tuple)) else outputs
+        return cast(super().scale(given), given)
 
 
 #: The norm the fused path computes (``clip_grad_norm_``'s default ``norm_type``).

@@ -118,3 +118,33 @@ def test_fsdp2_gradients_take_every_extra_as_pytorchs_pair(tmp_path: Path) -> No
         assert ".redistribute(" in message
         assert untouched == [4.0, 4.0]
     assert runs[0]["ours"] == runs[1]["ours"]  # the global norm, on every rank
+
+
+def test_fsdp1_sharded_grad_scaler_trains_as_pytorchs(tmp_path: Path) -> None:
+    """FSDP1 with float16 low-precision gradients: scaler_core.torch.ShardedGradScaler,
+    built with PyTorch's positional order, gives PyTorch's ShardedGradScaler's scales,
+    skips and parameters bit for bit; an inf in one rank's shard skips both ranks."""
+    ours = _run(tmp_path, "ours", "fsdp1.py")
+    want = _run(tmp_path, "torch", "fsdp1.py")
+    for rank in range(2):
+        assert ours[rank]["scales"] == want[rank]["scales"]
+        assert ours[rank]["stepped"] == want[rank]["stepped"]
+        assert ours[rank]["dtypes"] == want[rank]["dtypes"] == {"torch.float16"}
+        for p, q in zip(ours[rank]["params"], want[rank]["params"], strict=True):
+            assert torch.equal(p, q)
+    skipped = [not s for s in ours[0]["stepped"]]
+    assert skipped == [not s for s in ours[1]["stepped"]]  # the ranks decide together
+    assert sum(skipped) >= 3
+
+
+def test_fsdp1_with_a_fused_optimizer_skips_an_overflow_on_every_rank(tmp_path: Path) -> None:
+    """An inf in both ranks' shards, ``unscale_`` then a fused Adam's ``step``: the flags
+    are ORed (a maximum), so the fused kernel sees 1 and skips; the parameters stay
+    finite. (PyTorch's ShardedGradScaler sums the flags, to 2 here, and a fused Adam
+    steps on a found_inf of 2; on the CPU its class fails earlier, on the shape of
+    its flag.)"""
+    ours = _run(tmp_path, "ours-fused", "fsdp1.py")
+    for rank in range(2):
+        assert all(torch.isfinite(p).all() for p in ours[rank]["params"])
+        skipped = [i for i, s in enumerate(ours[rank]["stepped"]) if not s]
+        assert set(skipped) >= {3, 9, 10}

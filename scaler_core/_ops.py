@@ -1,4 +1,4 @@
-"""Every gradient operation, written once over a backend's fused passes.
+"""Every gradient and flag operation, written once over a backend's passes and namespace.
 
 A backend provides the passes its array library really has (see
 :class:`scaler_core.Backend`): validated leaves, unscale with detection, a measuring
@@ -7,6 +7,11 @@ nothing. Each user-level operation is composed here, once, from those passes, an
 the functional API, both facades, the optax wrapper and the torch drop-in call these
 functions and nothing below them: an operation added later is added here, not to
 every backend.
+
+The flag operations (:func:`select`, :func:`any_found`, :func:`to_bool`, the step's
+:func:`update`) are written here once too, over the backend's array namespace
+(``Backend.namespace``): a host library decides on the host, a device library on its
+device with nothing read back. ``scaler_core.Backend`` serves them as its methods.
 
 The clip coefficient's formula lives here too (:func:`clip_coefficient`), written
 against an array namespace so each backend evaluates it with its own library, on its

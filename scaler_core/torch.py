@@ -469,7 +469,7 @@ class GradScaler(torch.amp.GradScaler):
             return torch.nn.utils.clip_grad_norm_(
                 chosen, max_norm, p_norm, error_if_nonfinite, foreach
             )
-        everything = {id(p) for p in chosen} == {id(p) for p in params}
+        everything = parameters is None or {id(p) for p in chosen} == {id(p) for p in params}
         if p_norm != _L2 or error_if_nonfinite or not everything:
             _ops.max_norm_of(max_norm)  # checked before anything changes, as below
             self.unscale_(optimizer)

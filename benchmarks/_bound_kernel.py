@@ -1,8 +1,9 @@
-"""The ``bound`` contender's kernel: an in-place multiply on all threads, nothing else.
+"""The ``bound`` contenders' kernels: an in-place multiply, or a read, on all threads.
 
-Imported only when numba is installed. It is the fastest way we know to read
-and write every gradient element once, so it marks the machine's limit for an
-in-place unscale: a contender that runs at its speed is bound by memory (or
+Imported only when numba is installed. They are the fastest ways we know to read
+and write every gradient element once (``Table.scale``) or read it once
+(``Table.read``), so they mark the machine's limit for an in-place unscale and for
+a read-only pass: a contender that runs at their speed is bound by memory (or
 cache), not by its own code.
 """
 
@@ -30,6 +31,18 @@ def _scale(addrs: Any, sizes: Any, factor: Any, like: Any) -> None:
             a[i] = a[i] * factor
 
 
+@njit(nogil=True, parallel=True, fastmath=True)
+def _read(addrs: Any, sizes: Any, like: Any) -> Any:
+    total = 0.0
+    for j in prange(addrs.size):
+        a = numba.carray(_voidptr(addrs[j]), (sizes[j],), like.dtype)
+        s = np.float32(0.0)
+        for i in range(a.size):
+            s += a[i]
+        total += s
+    return total
+
+
 class Table:
     """Work items of at most 1 MiB over contiguous float arrays of one dtype."""
 
@@ -51,3 +64,7 @@ class Table:
     def scale(self, factor: Any) -> None:
         """Multiply every element by ``factor`` (of the arrays' dtype) in place."""
         _scale(self.addrs, self.sizes, self.like.dtype.type(factor), self.like)
+
+    def read(self) -> float:
+        """Read every element once (their float32 sum), writing nothing."""
+        return float(_read(self.addrs, self.sizes, self.like))

@@ -118,40 +118,20 @@ NOTES = {
 Call = Callable[[], tuple[Any, Any]]  # returns (found, norm), either may be None
 
 
-def _cpu_kernels() -> tuple[Any, Any, Callable[[Any], float]]:
-    """numba's pieces for the CPU rows: the library's kernels, the bound's table and a
-    read-only pass over it (a float32 sum per work item, on all threads)."""
-    import numba  # noqa: PLC0415 (numba only here)
-    from numba import njit, prange  # noqa: PLC0415
-
-    from scaler_core.backends import _numpy_kernels as kernels  # noqa: PLC0415
+def _cpu_kernels() -> tuple[Any, Any]:
+    """numba's pieces for the CPU rows: the library's kernels and the bound's (its table,
+    a multiply and a read-only pass over it, on all threads)."""
+    from scaler_core.backends import _numpy_kernels as kernels  # noqa: PLC0415 (numba only here)
 
     if __package__:
         from . import _bound_kernel  # noqa: PLC0415
     else:
         from benchmarks import _bound_kernel  # noqa: PLC0415
 
-    voidptr = kernels._voidptr
     # Started as the library starts them, so the bound's kernels (compiled here, in this
     # thread) leave PyTorch's thread count as it is for the PyTorch rows.
     kernels.start_threads()
-
-    @njit(nogil=True, parallel=True, fastmath=True)
-    def read(addrs: Any, sizes: Any, like: Any) -> Any:
-        total = 0.0
-        for j in prange(addrs.size):
-            ptr: Any = voidptr(addrs[j])  # type: ignore[call-arg]
-            a = numba.carray(ptr, (sizes[j],), like.dtype)
-            s = np.float32(0.0)
-            for i in range(a.size):
-                s += a[i]
-            total += s
-        return total
-
-    def read_table(table: Any) -> float:
-        return float(read(table.addrs, table.sizes, table.like))
-
-    return kernels, _bound_kernel, read_table
+    return kernels, _bound_kernel
 
 
 def _sync(device: str) -> None:
@@ -255,7 +235,7 @@ class Case:
         return calls
 
     def _cpu_calls(self) -> dict[str, Call]:
-        kernels, bound, read_table = _cpu_kernels()
+        kernels, bound = _cpu_kernels()
         views = [t.numpy() for t in self.work]  # zero-copy: the same memory
         table = bound.Table(views)
         parts = np.empty(table.addrs.size)
@@ -273,7 +253,7 @@ class Case:
             return found, norm
 
         def bound_2r1w() -> tuple[Any, Any]:
-            read_table(table)
+            table.read()
             table.scale(inv)
             return None, None
 

@@ -608,10 +608,14 @@ def _host_route(
 
 
 def _norm(
-    leaves: Sequence[_Leaf], values: Sequence[torch.Tensor], default: torch.device
+    leaves: Sequence[_Leaf],
+    values: Sequence[torch.Tensor],
+    default: torch.device,
+    times: Sequence[torch.Tensor | float] | None = None,
 ) -> torch.Tensor:
     """The global L2 norm of the leaves' ``values`` (a sharded leaf's over all its shards),
-    squares summed in float64, as a float32 0-d tensor on ``default``."""
+    each value's squares summed in float64 (times the square of its ``times`` entry),
+    as a float32 0-d tensor on ``default``: rounded once."""
     if not values:
         return torch.zeros((), dtype=torch.float32, device=default)
     per_device: dict[torch.device, list[int]] = defaultdict(list)
@@ -621,9 +625,47 @@ def _norm(
     for indices in per_device.values():
         norms = torch._foreach_norm([values[i] for i in indices], 2, dtype=torch.float64)
         for i, n in zip(indices, norms, strict=True):
-            squares[i] = n.square()
+            factor = 1.0 if times is None else times[i]
+            if isinstance(factor, torch.Tensor):
+                squares[i] = (n * factor.to(n.device, torch.float64, non_blocking=True)).square()
+            else:
+                squares[i] = n.square() if factor == 1.0 else (n * factor).square()
     squares = sum_over_shards(leaves, squares)
     return torch.stack([q.to(default) for q in squares]).sum().sqrt().float()
+
+
+def _read(
+    leaves: Sequence[_Leaf], inv: torch.Tensor | float, check: bool | None, default: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The flag and the norm the unscale by ``inv`` would give, read from the scaled
+    values, with nothing written: ``(flag, norm)`` on ``default``.
+
+    Two reads of each gradient: :func:`check_for_fused` for the flag (NaN or inf, and,
+    unless ``check`` is ``False``, a value the unscale would overflow), then the
+    float64 L2 norm of the scaled values times ``inv``, rounded once. PyTorch has no
+    kernel that gives both in one pass. For a power-of-two scale the norm is the
+    unscaled values' bit for bit (every product is exact); otherwise within a float32
+    ulp of it. A float16 or bfloat16 gradient is unscaled into a temporary of its
+    dtype first, so its norm is of the values the unscale would store (rounded to
+    half precision), as :meth:`TorchBackend.measure` defines it.
+    """
+    values = [elements(leaf) for leaf in leaves]
+    buckets = _buckets(values)
+    found = {dev: torch.zeros((), dtype=torch.float32, device=dev) for dev in buckets}
+    checked = None if check is False else _on(inv, default).double()
+    check_for_fused(buckets, checked, found)
+    flag = _any_over_shards(leaves, _combine(found, default))
+    measured: list[torch.Tensor] = []
+    times: list[torch.Tensor | float] = []
+    with torch.no_grad():
+        for v in values:
+            if v.dtype in _HALF:
+                measured.append((v.float() * _on(inv, v.device)).to(v.dtype))
+                times.append(1.0)
+            else:
+                measured.append(v)
+                times.append(inv)
+    return flag, _norm(leaves, measured, flag.device, times)
 
 
 def _unscale(
@@ -704,14 +746,16 @@ class Leaves:
     ``values`` and ``replaced`` are set by a read-only measure elsewhere (an
     accelerator, sparse or sharded gradients), which unscales in place: the values
     the clip multiplies, and the coalesced tensors that take the place of sparse
-    leaves in the returned tree.
+    leaves in the returned tree. ``writable`` is ``False`` for leaves that must not
+    be written at all: a measure there only reads, and no rescale may follow.
     """
 
-    __slots__ = ("grads", "host", "leaves", "replaced", "values")
+    __slots__ = ("grads", "host", "leaves", "replaced", "values", "writable")
 
-    def __init__(self, grads: Any, leaves: list[_Leaf]) -> None:
+    def __init__(self, grads: Any, leaves: list[_Leaf], writable: bool = True) -> None:
         self.grads = grads
         self.leaves = leaves
+        self.writable = writable
         self.host: _HostPass | None = None
         self.values: list[torch.Tensor] | None = None
         self.replaced: dict[int, torch.Tensor] = {}
@@ -725,10 +769,11 @@ class TorchBackend(Backend):
     def leaves(self, grads: Any, *, writable: bool) -> Leaves:
         """See :meth:`scaler_core.Backend.leaves`: every leaf validated, each tensor once.
 
-        Tensors have no read-only flag, so ``writable`` changes nothing here. A
-        DTensor placed as a partial sum is refused (:class:`GradientValueError`).
+        Tensors have no read-only flag: ``writable=False`` is kept as a promise that
+        nothing is written, which :meth:`measure` keeps. A DTensor placed as a partial
+        sum is refused (:class:`GradientValueError`).
         """
-        return Leaves(grads, _leaves(grads))
+        return Leaves(grads, _leaves(grads), writable)
 
     def unscale(self, leaves: Leaves, scale: Any) -> tuple[Any, torch.Tensor]:
         """See :meth:`scaler_core.Backend.unscale`: in place, one kernel per (device, dtype).
@@ -763,10 +808,12 @@ class TorchBackend(Backend):
 
         Elsewhere (an accelerator, sparse or sharded gradients) PyTorch's unscale
         kernel, then ``_foreach_norm`` in float64 (a second read: PyTorch has no fused
-        kernel for both). This route has no read-only pass: it stores the unscaled
-        values even without ``write``, and :meth:`rescale` then multiplies them by the
+        kernel for both). For writable leaves this route stores the unscaled values
+        even without ``write``, and :meth:`rescale` then multiplies them by the
         coefficient alone, so a skipped step's gradients are left unscaled, as
-        ``unscale_`` leaves them. A sparse gradient's norm is its coalesced sum's; a
+        ``unscale_`` leaves them. For leaves made with ``writable=False`` it writes
+        nothing: two reads of the scaled values (:func:`_read`), and no
+        :meth:`rescale` follows. A sparse gradient's norm is its coalesced sum's; a
         DTensor's is over all its shards.
         """
         inv, check = inverse_scale(scale)  # validates the scale, as unscale() does
@@ -788,6 +835,8 @@ class TorchBackend(Backend):
             if not write:
                 leaves.host = _HostPass(numpy_backend, work, host, host_inv)
             return leaves.grads, torch.tensor(bool(found)), torch.tensor(float(norm))
+        if not (write or leaves.writable):
+            return (leaves.grads, *_read(leaves.leaves, inv, check, _default_device(scale)))
         replaced, values, flag = _unscale(leaves.leaves, scale, inv, check)
         if not write:
             leaves.values, leaves.replaced = values, replaced

@@ -128,7 +128,8 @@ class Backend(Protocol):
         stores): unscale, detection and norm in one pass. Without it nothing is
         written, except on a backend that has no read-only pass, which may store
         the unscaled values here and say so in its docs (its :meth:`rescale` then
-        applies the coefficient alone).
+        applies the coefficient alone); given leaves made with ``writable=False``,
+        it writes nothing whatever it costs (no :meth:`rescale` follows those).
 
         Returns:
             ``(grads, found, norm)``.

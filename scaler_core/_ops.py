@@ -36,7 +36,9 @@ __all__ = [
     "any_found",
     "as_flag",
     "clip_coefficient",
+    "clip_divisor",
     "find_non_finite",
+    "fold_clip",
     "max_norm_of",
     "require_float32_factors",
     "select",
@@ -128,6 +130,18 @@ def find_non_finite(backend: Any, grads: Any) -> Any:
     return found
 
 
+def _clip_args(scale: Any, max_norm: Any, reduce: Any) -> float:
+    """The clip's arguments checked (the scale given, ``max_norm``, ``reduce``): the limit."""
+    _given(scale)
+    limit = max_norm_of(max_norm)
+    if reduce is not None and not callable(reduce):
+        raise InvalidArgumentError(
+            f"reduce={reduce!r}, but it must be a callable that takes the flag and returns "
+            f"the step's decision flag, or None"
+        )
+    return limit
+
+
 def unscale_and_clip(
     backend: Any,
     grads: Any,
@@ -152,18 +166,58 @@ def unscale_and_clip(
             ``reduce`` is not callable; the backend's errors for bad leaves or a
             bad scale. All before anything is modified.
     """
-    _given(scale)
-    limit = max_norm_of(max_norm)
-    if reduce is not None and not callable(reduce):
-        raise InvalidArgumentError(
-            f"reduce={reduce!r}, but it must be a callable that takes the flag and returns "
-            f"the step's decision flag, or None"
-        )
+    limit = _clip_args(scale, max_norm, reduce)
     prepared = backend.leaves(grads, writable=True)
     _, found, norm = backend.measure(prepared, scale, write=False)
     if reduce is not None:
         found = reduce(found)
     return backend.rescale(prepared, scale, norm, limit, found), found, norm
+
+
+def fold_clip(
+    backend: Any,
+    grads: Any,
+    scale: Any,
+    max_norm: Any,
+    reduce: Callable[[Any], Any] | None = None,
+) -> tuple[Any, Any, Any]:
+    """Unscale, detect and clip folded into an optimizer's own pass: a read, nothing written.
+
+    For an optimizer that divides each gradient by a ``grad_scale`` inside its update
+    (PyTorch's fused ones). The measuring pass reads every gradient and writes nothing
+    (the leaves are prepared read-only): the flag and the norm of the unscaled values,
+    as :func:`unscale_and_clip` measures them. ``reduce`` turns the flag into the
+    step's decision, as there. The optimizer then divides by
+    :func:`clip_divisor`, ``scale / coef``: one rounding where unscaling and clipping
+    make two, so the gradient it uses is within a float32 ulp or so of the clipped
+    one (and equal to it when nothing is clipped and the scale is a power of two).
+
+    Returns:
+        ``(found, norm, divisor)``: the decision flag, the norm before clipping (what
+        ``clip_grad_norm_`` returns), and the float32 divisor, on the norm's device.
+
+    Raises:
+        InvalidArgumentError: As :func:`unscale_and_clip`, before anything is read.
+    """
+    limit = _clip_args(scale, max_norm, reduce)
+    _, found, norm = backend.measure(backend.leaves(grads, writable=False), scale, write=False)
+    if reduce is not None:
+        found = reduce(found)
+    return found, norm, clip_divisor(backend.namespace(norm), scale, norm, limit)
+
+
+def clip_divisor(xp: Any, scale: Any, norm: Any, max_norm: float) -> Any:
+    """``scale / clip_coefficient(norm)`` in float32: what to divide a scaled gradient by
+    to unscale and clip it in one rounding. NaN where the norm is (a skipped step).
+
+    ``xp`` as for :func:`clip_coefficient` (in NumPy a norm of inf divides by a zero
+    coefficient, which warns: callers run it under ``np.errstate``).
+
+    >>> import numpy as np
+    >>> float(clip_divisor(np, 1024.0, np.float32(2.0), 1.0))
+    2048.0009765625
+    """
+    return xp.asarray(scale, dtype=xp.float32) / clip_coefficient(xp, norm, max_norm)
 
 
 # ------------------------------------------------------------------- flags

@@ -477,24 +477,11 @@ class GradScaler(torch.amp.GradScaler):
                 chosen, max_norm, p_norm, error_if_nonfinite, foreach
             )
             return self._norm
-        _scale, _ = self._check_scale_growth_tracker("unscale_")
-        optimizer_state = self._per_optimizer_states[id(optimizer)]
-        if optimizer_state["stage"] is OptState.UNSCALED:
-            raise RuntimeError(  # PyTorch's error
-                "unscale_() has already been called on this optimizer since the last update()."
-            )
-        if optimizer_state["stage"] is OptState.STEPPED:
-            raise RuntimeError("unscale_() is being called after step().")  # PyTorch's error
+        _scale, optimizer_state = self._ready(optimizer)
         buckets = self._buckets(optimizer, self._ALLOW_FP16)  # PyTorch's checks, nothing changed
         owners = [p for p in params if p.grad is not None]
-
-        def reduce(flag: torch.Tensor) -> torch.Tensor:
-            found = {flag.device: flag.float()}
-            self._reduce(found)
-            return found[flag.device] > 0
-
         grads = [p.grad for p in owners]
-        grads, found, norm = _ops.unscale_and_clip(_TORCH, grads, _scale, max_norm, reduce)
+        grads, found, norm = _ops.unscale_and_clip(_TORCH, grads, _scale, max_norm, self._decide)
         for param, grad in zip(owners, grads, strict=True):
             if grad is not param.grad:  # a sparse gradient, coalesced
                 param.grad = grad
@@ -505,6 +492,124 @@ class GradScaler(torch.amp.GradScaler):
         optimizer_state["stage"] = OptState.UNSCALED
         self._norm = cast(torch.Tensor, norm)
         return self._norm
+
+    def clip_and_step(
+        self,
+        optimizer: torch.optim.Optimizer,
+        max_norm: float,
+        norm_type: float | str = 2.0,
+        error_if_nonfinite: bool = False,
+        foreach: bool | None = None,
+        *,
+        parameters: Any = None,
+    ) -> torch.Tensor:
+        """``unscale_``, ``clip_grad_norm_`` and ``step`` in one call; returns the norm.
+
+        The LLM recipe (``scaler.unscale_(opt)``, ``clip_grad_norm_(params, max_norm)``,
+        ``scaler.step(opt)``) as ``norm = scaler.clip_and_step(opt, max_norm)``, then
+        ``scaler.update()`` as usual. It takes :meth:`unscale_and_clip_`'s arguments.
+
+        For an optimizer that unscales in its own pass (``fused=True``, or any with
+        ``_step_supports_amp_scaling``), with the default clip (the L2 norm over all
+        its parameters, no error), the clip is folded into that pass: the gradients
+        are read once for the flag and the norm (on the CPU; twice on an accelerator,
+        where PyTorch has no kernel for both) and written by nobody but the
+        optimizer, which divides them by ``scale / coef`` (``coef`` being
+        ``clip_grad_norm_``'s coefficient) and skips on the flag, as it does inside
+        ``step``, with no host synchronisation on an accelerator. One rounding
+        replaces two, so the gradient the optimizer uses can differ from the
+        recipe's by an ulp, and the parameters after a step by a few (docs/pytorch.md
+        gives the measured bound); with nothing clipped and a power-of-two scale it
+        is the recipe bit for bit. Afterwards ``.grad`` holds what the optimizer
+        used (PyTorch's fused kernels write the unscaled gradient back), unscaled
+        and clipped; on a skipped step it keeps its scaled values.
+
+        Any other optimizer or clip: exactly :meth:`unscale_and_clip_`, then
+        :meth:`step` (the gradients are left unscaled and clipped, or unscaled on
+        a skipped step, as there). Disabled: ``clip_grad_norm_`` and the step.
+
+        Raises:
+            RuntimeError: As :meth:`unscale_and_clip_` (``unscale_`` or ``step`` already
+                called for the optimizer in this step).
+            InvalidArgumentError: As :meth:`unscale_and_clip_`, before anything changes.
+        """
+        folds = (
+            self._enabled
+            and getattr(optimizer, "_step_supports_amp_scaling", False)
+            and "grad_scaler" not in inspect.signature(optimizer.step).parameters
+            and parameters is None
+            and _norm_type(norm_type) == _L2
+            and not error_if_nonfinite
+        )
+        if not folds:
+            norm = self.unscale_and_clip_(
+                optimizer, max_norm, norm_type, error_if_nonfinite, foreach, parameters=parameters
+            )
+            self.step(optimizer)
+            return norm
+        _ops.max_norm_of(max_norm)  # checked before anything changes
+        scale, optimizer_state = self._ready(optimizer)
+        buckets = self._buckets(optimizer, True)  # as PyTorch's step checks for a fused one
+        grads = [p.grad for group in optimizer.param_groups for p in group["params"]]
+        found, norm, divisor = _ops.fold_clip(_TORCH, grads, scale, max_norm, self._decide)
+        per_device = {dev: found.to(dev, torch.float32, non_blocking=True) for dev in buckets}
+        optimizer_state["found_inf_per_device"] = per_device
+        self._look_for_leaves(optimizer, per_device)
+        found_inf = found.to(scale.device, torch.float32, non_blocking=True)
+        if self._skip_known(optimizer, found):
+            self._stepped[id(optimizer)] = False
+        else:
+            given = getattr(optimizer, "grad_scale", None)  # PyTorch's step multiplies one in
+            optimizer.grad_scale = divisor if given is None else divisor * given  # type: ignore[attr-defined]
+            optimizer.found_inf = found_inf  # type: ignore[attr-defined]
+            try:
+                optimizer.step()
+            finally:
+                del optimizer.grad_scale  # type: ignore[attr-defined]
+                del optimizer.found_inf  # type: ignore[attr-defined]
+            self._stepped[id(optimizer)] = found_inf
+        optimizer_state["stage"] = OptState.STEPPED
+        self._norm = cast(torch.Tensor, norm)
+        return self._norm
+
+    def _skip_known(self, optimizer: torch.optim.Optimizer, found: torch.Tensor) -> bool:
+        """Whether a fused optimizer's step is known, on the host, to be skipped: then it
+        is not called at all, and nothing of the optimizer changes.
+
+        The flag is read where that is free (the host route), and on an accelerator
+        only while a parameter with a gradient has no optimizer state yet (the first
+        step, one synchronisation): a fused step skipped on its ``found_inf`` still
+        creates the state it lazily makes, and fused SGD's momentum buffers are then
+        left uninitialised (``torch.empty_like``), which its next step takes for a
+        momentum (PyTorch's ``GradScaler.step`` does call it).
+        """
+        if not self._host_route() and all(
+            p in optimizer.state
+            for group in optimizer.param_groups
+            for p in group["params"]
+            if p.grad is not None
+        ):
+            return False
+        return bool(found.item())
+
+    def _ready(self, optimizer: torch.optim.Optimizer) -> tuple[torch.Tensor, dict[str, Any]]:
+        """The scale and the optimizer's record, refusing (with PyTorch's ``unscale_``
+        errors) an optimizer already unscaled or stepped in this step."""
+        scale, _ = self._check_scale_growth_tracker("unscale_")
+        optimizer_state = self._per_optimizer_states[id(optimizer)]
+        if optimizer_state["stage"] is OptState.UNSCALED:
+            raise RuntimeError(  # PyTorch's error
+                "unscale_() has already been called on this optimizer since the last update()."
+            )
+        if optimizer_state["stage"] is OptState.STEPPED:
+            raise RuntimeError("unscale_() is being called after step().")  # PyTorch's error
+        return scale, optimizer_state
+
+    def _decide(self, flag: torch.Tensor) -> torch.Tensor:
+        """A measured flag as the step's decision (see :meth:`_reduce`), a bool tensor."""
+        found = {flag.device: flag.float()}
+        self._reduce(found)
+        return found[flag.device] > 0
 
     @property
     def grad_norm(self) -> torch.Tensor | None:

@@ -274,3 +274,22 @@ def test_jax_loop_bench_checks_jmp_and_the_port_agree_then_times_them(tmp_path: 
     bad = _run(sys.executable, "benchmarks/bench_jax_loop.py", "--reps", "0", timeout=60)
     assert bad.returncode == 2
     assert "--reps=0, but it must be at least 1" in bad.stderr
+
+
+def test_step_bench_checks_the_folded_step_then_times_every_row(tmp_path: Path) -> None:
+    pytest.importorskip("torch")
+    pytest.importorskip("numba")
+    out = tmp_path / "step.json"
+    run = _run(
+        *(sys.executable, "benchmarks/bench_step.py", "--small", "--reps", "2", "--warmup", "0"),
+        *("--json", str(out)),
+        timeout=300,
+    )
+    assert run.returncode == 0, run.stderr
+    result = json.loads(out.read_text())
+    assert set(result["ms"]) == {"pytorch", "sc_unscale_and_clip", "sc_clip_and_step", "bound"}
+    assert all(v > 0 for v in result["ms"].values())
+    assert result["check"]["ulps_vs_unscale_and_clip"] <= 4.0
+    bad = _run(sys.executable, "benchmarks/bench_step.py", "--reps", "0", timeout=60)
+    assert bad.returncode == 2
+    assert "--reps=0" in bad.stderr

@@ -11,6 +11,7 @@ and every host read (``item``, ``tolist``, ``bool``, ``float``, ``int``, ``numpy
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -205,3 +206,77 @@ def test_a_fused_optimizers_check_fails_closed_on_a_bad_device_scale(
         assert check is None  # decided on the device
         _torch.check_for_fused(_torch._buckets(grads), inv, found)
     assert float(found[torch.device("cpu")]) == 1.0
+
+
+def _float32_ulps(a: Any, b: Any) -> float:
+    x, y = np.float32(float(a)), np.float32(float(b))
+    return float(abs(np.float64(x) - np.float64(y)) / np.spacing(max(abs(x), abs(y))))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("scale", [65536.0, 3.0, 0.25, "tensor", "tensor-below-one"])
+@pytest.mark.parametrize("special", [False, True])
+def test_the_fold_reads_on_the_device_route_and_writes_nothing(
+    device_route: Callable[[], Any], dtype: torch.dtype, scale: Any, special: bool
+) -> None:
+    """``fold_clip`` (what ``clip_and_step`` hands a fused optimizer) on the device route:
+    no host read, no gradient written, the host route's flag, its norm within a float32
+    ulp (bit for bit at a power-of-two scale), and the divisor with it."""
+    host_scale = {"tensor": 512.0, "tensor-below-one": 0.125}.get(scale, scale)
+    with _restored_route():
+        want_found, want_norm, want_divisor = _ops.fold_clip(
+            _torch.BACKEND, _grads(dtype, 0, special), torch.tensor(host_scale), 0.5
+        )
+    grads = _grads(dtype, 0, special)
+    scaled = [g.clone() for g in grads]
+    dev_scale = torch.tensor(host_scale) if isinstance(scale, str) else scale
+    with device_route():
+        found, norm, divisor = _ops.fold_clip(_torch.BACKEND, grads, dev_scale, 0.5)
+    for g, s in zip(grads, scaled, strict=True):
+        assert np.array_equal(_bits(g), _bits(s)), "a gradient was written"
+    assert bool(found) == bool(want_found) == special
+    if not special:
+        exact = math.log2(host_scale).is_integer()
+        assert _float32_ulps(norm, want_norm) <= (0 if exact else 1)
+        assert _float32_ulps(divisor, want_divisor) <= (0 if exact else 2)
+
+
+def test_the_folded_step_trains_as_the_host_route_and_reads_once(
+    device_route: Callable[[], Any],
+) -> None:
+    """``clip_and_step`` with a fused AdamW on the device route: the host route's
+    parameters and scales bit for bit (skips and growth included); after the first step
+    (which reads its flag once: a fused step skipped there would leave fused SGD's
+    momentum uninitialised; it reads again until a step is taken) nothing is read back."""
+
+    def train(route: Callable[[], Any] | None) -> list[Any]:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 2))
+        opt = torch.optim.AdamW(model.parameters(), lr=0.01, fused=True)
+        scaler = GradScaler("cpu", init_scale=2.0**12, growth_interval=3)
+        gen = torch.Generator().manual_seed(1)
+        history: list[Any] = []
+        for step in range(10):
+            opt.zero_grad()
+            guard = route if route is not None and step > 0 else contextlib.nullcontext
+            loss = model(torch.randn(4, 8, generator=gen)).pow(2).mean()
+            with guard():
+                scaled = scaler.scale(loss)
+            scaled.backward()
+            if step in (2, 5):
+                model[0].weight.grad[0, 0] = float("inf")
+            with guard():
+                norm = scaler.clip_and_step(opt, 0.05)
+                scaler.update()
+            history.append((scaler.get_scale(), float(norm)))
+        return [history, [p.detach().clone() for p in model.parameters()]]
+
+    with _restored_route():
+        want = train(None)
+    got = train(device_route)
+    assert [s for s, _ in got[0]] == [s for s, _ in want[0]]
+    assert len({s for s, _ in got[0]}) > 2  # it backed off and grew
+    for (_, a), (_, b) in zip(got[0], want[0], strict=True):
+        assert (math.isnan(a) and math.isnan(b)) or a == b
+    for p, q in zip(got[1], want[1], strict=True):
+        _assert_same(p, q, "parameters")

@@ -59,8 +59,12 @@ def _run(tmp_path: Path, mode: str, script: str = "sharded.py") -> list[dict[str
     return [torch.load(o, weights_only=False) for o in outs]
 
 
-def test_ranks_decide_together_over_the_process_group(tmp_path: Path) -> None:
-    rank0, rank1 = _run(tmp_path, "group")
+@pytest.mark.parametrize("mode", ["group", "group-fold"], ids=["step", "clip_and_step"])
+def test_ranks_decide_together_over_the_process_group(tmp_path: Path, mode: str) -> None:
+    """Each rank checks only its own shard; the group ORs the flags, so both skip the
+    four steps with an inf on rank 1 (with ``clip_and_step`` too, whose flag reaches
+    the fused optimizer only after the OR)."""
+    rank0, rank1 = _run(tmp_path, mode)
     assert rank0["decisions"] == rank1["decisions"]
     assert rank0["decisions"].count(False) == 4  # the four injected steps, on both ranks
     assert rank0["state"] == rank1["state"]
@@ -118,6 +122,17 @@ def test_fsdp2_gradients_take_every_extra_as_pytorchs_pair(tmp_path: Path) -> No
         assert ".redistribute(" in message
         assert untouched == [4.0, 4.0]
     assert runs[0]["ours"] == runs[1]["ours"]  # the global norm, on every rank
+    # The folded step, fused Adam, on DTensor gradients: the recipe's decisions, its
+    # norms and parameters to within the drift of a few ulps a step (each step's own
+    # bound is tests/integrations/test_torch_fold.py's), the same on every rank.
+    for run in runs:
+        assert [s for _, s in run["fold"]] == [s not in inf_steps for s in range(12)]
+        assert [s for _, s in run["recipe"]] == [s not in inf_steps for s in range(12)]
+        for (folded, _), (unfolded, _) in zip(run["fold"], run["recipe"], strict=True):
+            assert folded == pytest.approx(unfolded, rel=1e-5, nan_ok=True)
+        for folded, unfolded in run["fused_params"]:
+            torch.testing.assert_close(folded, unfolded, rtol=1e-5, atol=1e-7)
+    assert runs[0]["fold"] == runs[1]["fold"]
 
 
 def test_fsdp1_sharded_grad_scaler_trains_as_pytorchs(tmp_path: Path) -> None:

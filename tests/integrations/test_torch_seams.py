@@ -23,9 +23,11 @@ from scaler_core.torch import GradScaler  # noqa: E402
 pytestmark = pytest.mark.torch
 
 
-def _model(seed: int = 0) -> tuple[Any, Any]:
+def _model(seed: int = 0, fused: bool = False) -> tuple[Any, Any]:
     torch.manual_seed(seed)
     model = torch.nn.Linear(4, 2)
+    if fused:
+        return model, torch.optim.AdamW(model.parameters(), lr=0.1, fused=True)
     return model, torch.optim.SGD(model.parameters(), lr=0.1)
 
 
@@ -34,11 +36,16 @@ def _bits(model: Any) -> list[Any]:
 
 
 # ------------------------------------------------------------------ torch.compile
-def _loop(model: Any, opt: Any, scaler: Any, x: Any, clip: bool) -> Any:
-    """The documented loop; ``x`` holding inf makes an overflow step."""
+def _loop(model: Any, opt: Any, scaler: Any, x: Any, clip: bool | str) -> Any:
+    """The documented loop; ``x`` holding inf makes an overflow step. ``clip="fold"``:
+    ``clip_and_step`` (a fused AdamW, the clip folded into its step)."""
     opt.zero_grad()
     loss = model(x).pow(2).sum()
     scaler.scale(loss).backward()
+    if clip == "fold":
+        scaler.clip_and_step(opt, 0.5)
+        scaler.update()
+        return loss.detach()
     if clip and isinstance(scaler, GradScaler):
         scaler.unscale_and_clip_(opt, 0.5)
     else:
@@ -58,8 +65,10 @@ def _inputs(steps: int) -> list[Any]:
     return xs
 
 
-def _train(cls: Any, clip: bool, compiled: bool, steps: int = 6) -> tuple[list[Any], list[float]]:
-    model, opt = _model()
+def _train(
+    cls: Any, clip: bool | str, compiled: bool, steps: int = 6
+) -> tuple[list[Any], list[float]]:
+    model, opt = _model(fused=clip == "fold")
     scaler = cls("cpu", init_scale=2.0**10, growth_interval=2)
     step = torch.compile(_loop, backend="eager") if compiled else _loop
     scales = []
@@ -90,8 +99,12 @@ def fresh_dynamo() -> Any:
 
 
 @dynamo_warns
-@pytest.mark.parametrize("clip", [False, True], ids=["unscale_", "unscale_and_clip_"])
-def test_a_compiled_step_trains_as_the_eager_one_bit_for_bit(clip: bool, fresh_dynamo: Any) -> None:
+@pytest.mark.parametrize(
+    "clip", [False, True, "fold"], ids=["unscale_", "unscale_and_clip_", "clip_and_step"]
+)
+def test_a_compiled_step_trains_as_the_eager_one_bit_for_bit(
+    clip: bool | str, fresh_dynamo: Any
+) -> None:
     """Dynamo traced the drop-in's methods (a third-party module) and lost
     ``unscale_and_clip_``'s record: ``step`` unscaled the clipped gradients again."""
     eager_params, eager_scales = _train(GradScaler, clip, compiled=False)
@@ -108,16 +121,19 @@ def test_a_compiled_step_trains_as_the_eager_one_bit_for_bit(clip: bool, fresh_d
 
 
 @dynamo_warns
-@pytest.mark.parametrize("clip", [False, True], ids=["unscale_", "unscale_and_clip_"])
+@pytest.mark.parametrize(
+    "clip", [False, True, "fold"], ids=["unscale_", "unscale_and_clip_", "clip_and_step"]
+)
 def test_a_compiled_loop_breaks_the_graph_no_more_often_than_pytorchs(
-    clip: bool, fresh_dynamo: Any
+    clip: bool | str, fresh_dynamo: Any
 ) -> None:
     counts = {}
     for cls in (torch.amp.GradScaler, GradScaler):
         fresh_dynamo.reset()
-        model, opt = _model()
+        model, opt = _model(fused=clip == "fold")
         scaler = cls("cpu", init_scale=2.0**10)
-        explained = fresh_dynamo.explain(_loop)(model, opt, scaler, torch.ones(3, 4), clip)
+        mode = (True if cls is torch.amp.GradScaler else "fold") if clip == "fold" else clip
+        explained = fresh_dynamo.explain(_loop)(model, opt, scaler, torch.ones(3, 4), mode)
         counts[cls] = explained.graph_break_count
     assert counts[GradScaler] <= counts[torch.amp.GradScaler], counts
 

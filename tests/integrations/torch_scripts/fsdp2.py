@@ -13,6 +13,10 @@ norms, both found flags, the exact norm (float64 ``math.fsum`` of the full
 gradients), the skip decisions and the leaf reports, at the end both models'
 full parameters, and what the functional API says of a sharded and of a partial
 DTensor, to ``OUT_FILE`` (``torch.save``).
+
+Two more copies train with a fused Adam: one with ``unscale_and_clip_`` then ``step``,
+the other with the folded ``clip_and_step``; their norms, decisions and full
+parameters are written too.
 """
 
 from __future__ import annotations
@@ -68,16 +72,28 @@ def main() -> None:
     )
     mesh = init_device_mesh("cpu", (int(world),))
     ours_net, theirs_net = model(mesh), model(mesh)
+    fused_nets = {name: model(mesh) for name in ("recipe", "fold")}
+    fused = {
+        name: (
+            net,
+            torch.optim.Adam(net.parameters(), lr=1e-2, fused=True),
+            GradScaler("cpu", init_scale=2.0**12),
+        )
+        for name, net in fused_nets.items()
+    }
     ours_opt = torch.optim.Adam(ours_net.parameters(), lr=1e-2)
     theirs_opt = torch.optim.Adam(theirs_net.parameters(), lr=1e-2)
     reports: list[StepReport] = []
     ours = GradScaler("cpu", init_scale=2.0**12, on_step=reports.append, report_leaves=True)
     theirs = torch.amp.GradScaler("cpu", init_scale=2.0**12)
     data = torch.Generator().manual_seed(100 + int(rank))  # each rank its own batch
-    out: dict[str, Any] = {k: [] for k in ("ours", "theirs", "exact", "flags", "stepped")}
+    out: dict[str, Any] = {
+        k: [] for k in ("ours", "theirs", "exact", "flags", "stepped", "recipe", "fold")
+    }
     for step in range(STEPS):
         x, y = torch.randn(8, 16, generator=data), torch.randn(8, 4, generator=data)
-        for scaler, net in ((ours, ours_net), (theirs, theirs_net)):
+        pairs = [(ours, ours_net), (theirs, theirs_net)] + [(s, n) for n, _, s in fused.values()]
+        for scaler, net in pairs:
             loss = torch.nn.functional.mse_loss(net(x), y)
             scaler.scale(loss).backward()
             if int(rank) == 1 and step in INF_STEPS:  # rank 1's shard only
@@ -103,12 +119,27 @@ def main() -> None:
             scaler.update()
             opt.zero_grad()
         out["stepped"].append(ours.stepped(ours_opt))
+        for name, (_, opt, scaler) in fused.items():
+            if name == "fold":
+                norm = scaler.clip_and_step(opt, MAX_NORM)
+            else:
+                norm = scaler.unscale_and_clip_(opt, MAX_NORM)
+                scaler.step(opt)
+            out[name].append((float(norm), scaler.stepped(opt)))
+            scaler.update()
+            opt.zero_grad()
     out["leaves"] = [[str(leaf) for leaf in r.leaves] for r in reports]
     out["params"] = [
         (full(a).detach().clone(), full(b).detach().clone())
         for a, b in zip(ours_net.parameters(), theirs_net.parameters(), strict=True)
     ]
     out["scales"] = (ours.get_scale(), theirs.get_scale())
+    out["fused_params"] = [
+        (full(a).detach().clone(), full(b).detach().clone())
+        for a, b in zip(
+            fused_nets["fold"].parameters(), fused_nets["recipe"].parameters(), strict=True
+        )
+    ]
     # The functional API on a DTensor: rank 1's NaN is seen on both ranks; a DTensor
     # placed as a partial sum is refused by name, before anything is touched.
     shard = distribute_tensor(torch.arange(8.0), mesh, [Shard(0)])

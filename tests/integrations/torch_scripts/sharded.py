@@ -1,12 +1,13 @@
 """One rank of a two-rank, ZeRO-style run: each rank owns and steps half the parameters.
 
-Usage: ``sharded.py RANK WORLD INIT_FILE OUT_FILE {group,none}``
+Usage: ``sharded.py RANK WORLD INIT_FILE OUT_FILE {group,none,group-fold}``
 
 Gradients are averaged over the ranks (so both hold the same ones), then each
 rank checks and steps only the shard it owns, as ZeRO and FSDP do. At the chosen
 steps an inf lands in rank 1's shard only (an overflow in its part of the
 reduction). With ``group`` the scaler ORs the found flag over the ranks; with
-``none`` each rank decides alone. After training each shard is broadcast from
+``none`` each rank decides alone; ``group-fold`` is ``group`` with a fused AdamW
+stepped by ``clip_and_step`` (the clip folded into its step). After training each shard is broadcast from
 its owner; the rank writes its full parameters, its skip decisions and its
 scaler state to ``OUT_FILE`` (``torch.save``).
 """
@@ -35,8 +36,9 @@ def main() -> None:
     params = list(model.parameters())
     shards = [params[:2], params[2:]]
     mine = shards[int(rank)]
-    opt = torch.optim.AdamW(mine, lr=1e-2)
-    group = dist.group.WORLD if mode == "group" else None
+    fold = mode == "group-fold"
+    opt = torch.optim.AdamW(mine, lr=1e-2, fused=True if fold else None)
+    group = dist.group.WORLD if mode.startswith("group") else None
     scaler = GradScaler("cpu", init_scale=2.0**10, growth_interval=5, process_group=group)
     data = torch.Generator().manual_seed(100 + int(rank))  # each rank its own batch
     decisions = []
@@ -55,7 +57,10 @@ def main() -> None:
         if int(rank) == 1 and step in INF_STEPS:
             assert mine[0].grad is not None
             mine[0].grad.view(-1)[0] = float("inf")
-        scaler.step(opt)
+        if fold:
+            scaler.clip_and_step(opt, 1.0)
+        else:
+            scaler.step(opt)
         decisions.append(scaler.stepped(opt))
         scaler.update()
     for owner, shard in enumerate(shards):

@@ -16,6 +16,7 @@
 #                              drop-in's CUDA tests, on the GPU
 #     pytest-jax.{log,xml}     JAX backend tests on the GPU
 #     bench_gpu-SET.json       benchmark results per set
+#     bench_step-cuda.json     the whole step: PyTorch's recipe against the folded clip_and_step
 #     summary.json             stage results, test counts, benchmark goals
 #   and at the end everything but these two is packed into details.tar.gz (so a device
 #   run brings back three files).
@@ -163,6 +164,10 @@ stage bench-torch-cuda 90 - "$PY" -P benchmarks/bench_torch.py --device cuda --r
 # Unscale + detect + clip: PyTorch's unscale_ + clip_grad_norm_(foreach=True) against
 # scaler-core's unscale_and_clip on CuPy views of the same memory; gpu_check.log only.
 stage bench-clip-cuda 60 - "$PY" -P benchmarks/bench_clip.py --device cuda --reps 15 || OK=0
+# The whole LLM step (GPT-2 small, fused AdamW, clip 1.0): PyTorch's recipe, unscale_and_clip_
+# + step, the folded clip_and_step and the one-read bound; its JSON goes into details.tar.gz.
+stage bench-step-cuda 90 - "$PY" -P benchmarks/bench_step.py --device cuda --reps 15 \
+    --json "$OUT/bench_step-cuda.json" || OK=0
 
 # ------------------------------------------------------------------ JAX tests
 mapfile -t jax_tests < <(ls tests/*/test_jax*.py tests/integrations/test_optax.py 2>/dev/null)

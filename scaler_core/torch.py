@@ -198,6 +198,7 @@ class GradScaler(torch.amp.GradScaler):
         self._norm: torch.Tensor | None = None
         self._mirror: ScalerState | None = None  # a CPU scaler's state at its last update
         self._stepped: dict[int, Any] = {}
+        self._taken: set[int] = set()  # fused optimizers whose step has been called
         self._extra: dict[str, torch.Tensor] | None = None
         self._config: ScalerConfig | None = config
         if not self._enabled:  # as PyTorch's: nothing is checked, nothing is held
@@ -405,15 +406,67 @@ class GradScaler(torch.amp.GradScaler):
 
     def step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
         """As PyTorch's: unscale (if not done), then ``optimizer.step()`` unless its
-        gradients held inf/NaN; fused optimizers get ``grad_scale`` and ``found_inf``."""
-        retval = super().step(optimizer, *args, **kwargs)
-        if self._enabled and getattr(optimizer, "_step_supports_amp_scaling", False):
-            found = self._found_inf_per_device(optimizer)
-            if found:  # decided on the device: remembered as a tensor, read if asked
-                total = sum(t.to(self._scale.device) for t in found.values())  # type: ignore[union-attr]
-                self._stepped[id(optimizer)] = total
-        elif not self._enabled:
-            self._stepped[id(optimizer)] = True
+        gradients held inf/NaN; fused optimizers get ``grad_scale`` and ``found_inf``.
+
+        A fused optimizer's skipped step changes nothing of it: where the flag is read
+        for free (the CPU), and on an accelerator until its first step is taken, a
+        skipped step does not call it (see :meth:`_skip_known`; PyTorch's calls it, and
+        a fused SGD skipped on its first step keeps uninitialised momentum buffers).
+        """
+        if not (self._enabled and _takes_grad_scale(optimizer)) or "closure" in kwargs:
+            retval = super().step(optimizer, *args, **kwargs)  # PyTorch's, errors included
+            if not self._enabled:
+                self._stepped[id(optimizer)] = True
+            return retval
+        scale, _ = self._check_scale_growth_tracker("step")
+        optimizer_state = self._per_optimizer_states[id(optimizer)]
+        if optimizer_state["stage"] is OptState.STEPPED:
+            raise RuntimeError("step() has already been called since the last update().")
+        if optimizer_state["stage"] is OptState.READY:
+            self._check_inf_per_device(optimizer)
+            return self._fused_step(optimizer, optimizer_state, scale, *args, **kwargs)
+        return self._fused_step(optimizer, optimizer_state, None, *args, **kwargs)
+
+    def _fused_step(
+        self,
+        optimizer: torch.optim.Optimizer,
+        optimizer_state: dict[str, Any],
+        divisor: torch.Tensor | None,
+        *args: Any,
+        **kwargs: Any,
+    ) -> Any:
+        """Step an optimizer that unscales in its own pass: ``divisor`` (times a
+        ``grad_scale`` the user set, as PyTorch's step multiplies it in) as its
+        ``grad_scale`` (``None``: the gradients are unscaled already), the recorded flags
+        as its ``found_inf`` (1.0 or 0.0: its kernels skip only on 1.0), unless the
+        skip is known on the host (:meth:`_skip_known`)."""
+        scale = cast(torch.Tensor, self._scale)
+        flags = [
+            f.to(scale.device, non_blocking=True)
+            for f in optimizer_state["found_inf_per_device"].values()
+        ]
+        found = (
+            torch.stack(flags).amax() > 0
+            if flags
+            else torch.zeros((), dtype=torch.bool, device=scale.device)
+        )
+        found_inf = found.float()
+        retval = None
+        if self._skip_known(optimizer, found):
+            self._stepped[id(optimizer)] = False
+        else:
+            given = getattr(optimizer, "grad_scale", None)
+            if divisor is not None and given is not None:
+                divisor = divisor * given
+            optimizer.grad_scale = given if divisor is None else divisor  # type: ignore[attr-defined]
+            optimizer.found_inf = found_inf  # type: ignore[attr-defined]
+            try:
+                retval = optimizer.step(*args, **kwargs)
+            finally:
+                del optimizer.grad_scale  # type: ignore[attr-defined]
+                del optimizer.found_inf  # type: ignore[attr-defined]
+            self._stepped[id(optimizer)] = found_inf  # decided on the device: read if asked
+        optimizer_state["stage"] = OptState.STEPPED
         return retval
 
     def unscale_and_clip_(
@@ -535,8 +588,7 @@ class GradScaler(torch.amp.GradScaler):
         """
         folds = (
             self._enabled
-            and getattr(optimizer, "_step_supports_amp_scaling", False)
-            and "grad_scaler" not in inspect.signature(optimizer.step).parameters
+            and _takes_grad_scale(optimizer)
             and parameters is None
             and _norm_type(norm_type) == _L2
             and not error_if_nonfinite
@@ -555,20 +607,7 @@ class GradScaler(torch.amp.GradScaler):
         per_device = {dev: found.to(dev, torch.float32, non_blocking=True) for dev in buckets}
         optimizer_state["found_inf_per_device"] = per_device
         self._look_for_leaves(optimizer, per_device)
-        found_inf = found.to(scale.device, torch.float32, non_blocking=True)
-        if self._skip_known(optimizer, found):
-            self._stepped[id(optimizer)] = False
-        else:
-            given = getattr(optimizer, "grad_scale", None)  # PyTorch's step multiplies one in
-            optimizer.grad_scale = divisor if given is None else divisor * given  # type: ignore[attr-defined]
-            optimizer.found_inf = found_inf  # type: ignore[attr-defined]
-            try:
-                optimizer.step()
-            finally:
-                del optimizer.grad_scale  # type: ignore[attr-defined]
-                del optimizer.found_inf  # type: ignore[attr-defined]
-            self._stepped[id(optimizer)] = found_inf
-        optimizer_state["stage"] = OptState.STEPPED
+        self._fused_step(optimizer, optimizer_state, divisor)
         self._norm = cast(torch.Tensor, norm)
         return self._norm
 
@@ -577,20 +616,18 @@ class GradScaler(torch.amp.GradScaler):
         is not called at all, and nothing of the optimizer changes.
 
         The flag is read where that is free (the host route), and on an accelerator
-        only while a parameter with a gradient has no optimizer state yet (the first
-        step, one synchronisation): a fused step skipped on its ``found_inf`` still
-        creates the state it lazily makes, and fused SGD's momentum buffers are then
-        left uninitialised (``torch.empty_like``), which its next step takes for a
-        momentum (PyTorch's ``GradScaler.step`` does call it).
+        only until the optimizer's step has been called once through this scaler (one
+        synchronisation a step until then): a fused step skipped on its ``found_inf``
+        still creates the state it lazily makes, and fused SGD keeps momentum buffers
+        made with ``torch.empty_like``, which its next step takes for a momentum
+        (PyTorch's ``GradScaler.step`` calls it so).
         """
-        if not self._host_route() and all(
-            p in optimizer.state
-            for group in optimizer.param_groups
-            for p in group["params"]
-            if p.grad is not None
-        ):
+        if id(optimizer) in self._taken and not self._host_route():
             return False
-        return bool(found.item())
+        if bool(found.item()):
+            return True
+        self._taken.add(id(optimizer))
+        return False
 
     def _ready(self, optimizer: torch.optim.Optimizer) -> tuple[torch.Tensor, dict[str, Any]]:
         """The scale and the optimizer's record, refusing (with PyTorch's ``unscale_``
@@ -881,7 +918,7 @@ class GradScaler(torch.amp.GradScaler):
             out["_extra"] = None
         out["_mirror"] = None
         out["_process_group"] = None  # a process group cannot be pickled: pass it again
-        out["_stepped"] = {}
+        out["_stepped"], out["_taken"] = {}, set()
         out["_on_step"] = None  # a callback may be a closure or lambda: pass it again
         out["_leaves"], out["_norm"] = [], None
         return out
@@ -956,6 +993,14 @@ class ShardedGradScaler(GradScaler):
 
         given = list(outputs) if not isinstance(outputs, (list, tuple)) else outputs
         return cast(super().scale(given), given)
+
+
+def _takes_grad_scale(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether ``optimizer`` unscales in its own pass, taking ``grad_scale`` and
+    ``found_inf`` as attributes (not the deprecated ``grad_scaler`` keyword)."""
+    return bool(getattr(optimizer, "_step_supports_amp_scaling", False)) and (
+        "grad_scaler" not in inspect.signature(optimizer.step).parameters
+    )
 
 
 #: The norm the fused path computes (``clip_grad_norm_``'s default ``norm_type``).

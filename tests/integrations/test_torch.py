@@ -9,6 +9,7 @@ overflows below a scale of 1).
 from __future__ import annotations
 
 import copy
+import math
 import pickle
 from typing import Any
 
@@ -259,12 +260,50 @@ def test_fused_optimizers_get_grad_scale_and_found_inf(cls: Any) -> None:
     _backward(scaler, model)
     scaler.unscale_(opt)  # already unscaled: grad_scale is None
     scaler.step(opt)
-    assert float(seen[0][0]) == 16.0
-    assert seen[0][1].item() == 1.0
+    scaler.update()
+    opt.zero_grad()
+    _backward(scaler, model)
+    scaler.step(opt)
+    if cls is GradScaler:
+        # The skipped step is known on the host here: the optimizer is not called.
+        seen.insert(0, (None, None))
+    else:
+        assert float(seen[0][0]) == 16.0
+        assert seen[0][1].item() == 1.0  # called, skipped on found_inf
     assert seen[1][0] is None
     assert seen[1][1].item() == 0.0
+    assert float(seen[2][0]) == 8.0
+    assert seen[2][1].item() == 0.0
     assert not hasattr(opt, "grad_scale")
     assert not hasattr(opt, "found_inf")
+
+
+def test_a_skipped_first_step_leaves_a_fused_sgd_as_new() -> None:
+    """PyTorch's step calls a fused optimizer on a skipped step, which skips on
+    ``found_inf`` but keeps the state it created: fused SGD's momentum buffers from
+    ``torch.empty_like``, whose contents its next step takes for a momentum. This
+    class does not call it when the skip is known: the next step is a first step."""
+    results = []
+    for cls in (torch.amp.GradScaler, GradScaler, None):
+        torch.manual_seed(0)
+        model = torch.nn.Linear(4, 3)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, fused=True)
+        scaler = (cls or GradScaler)("cpu", init_scale=2.0**10)
+        for step, x in enumerate((torch.full((2, 4), math.inf), torch.ones(2, 4))):
+            if cls is None and step == 0:
+                continue  # the reference: a run that never saw the overflowing batch
+            scaler.scale(model(x).sum()).backward()
+            scaler.step(opt)
+            if step == 0:
+                results.append(model.weight in opt.state)
+            scaler.update()
+            opt.zero_grad()
+        results.append([p.detach().clone() for p in model.parameters()])
+    theirs_kept_state, _, ours_kept_state, ours, fresh = results
+    assert theirs_kept_state  # PyTorch's: state (uninitialised momentum) after a skip
+    assert not ours_kept_state
+    for a, b in zip(ours, fresh, strict=True):
+        assert torch.equal(a, b)
 
 
 @CLASSES

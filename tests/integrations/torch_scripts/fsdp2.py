@@ -65,6 +65,42 @@ def flags(scaler: torch.amp.GradScaler, opt: torch.optim.Optimizer) -> list[floa
     return [float(f.item()) for f in scaler._found_inf_per_device(opt).values()]
 
 
+def fused_copy(mesh: Any) -> tuple[torch.nn.Module, torch.optim.Optimizer, GradScaler]:
+    """The model, a fused Adam over it and a scaler of its own."""
+    net = model(mesh)
+    opt = torch.optim.Adam(net.parameters(), lr=1e-2, fused=True)
+    return net, opt, GradScaler("cpu", init_scale=2.0**12)
+
+
+def fused_step(fold: bool, opt: torch.optim.Optimizer, scaler: GradScaler) -> tuple[float, bool]:
+    """One step of a fused optimizer, folded (``clip_and_step``) or not: the norm, whether
+    it stepped."""
+    if fold:
+        norm = scaler.clip_and_step(opt, MAX_NORM)
+    else:
+        norm = scaler.unscale_and_clip_(opt, MAX_NORM)
+        scaler.step(opt)
+    out = (float(norm), scaler.stepped(opt))
+    scaler.update()
+    opt.zero_grad()
+    return out
+
+
+def functional_api(mesh: Any, rank: int, out: dict[str, Any]) -> None:
+    """The functional API on a DTensor: rank 1's NaN is seen on both ranks; a DTensor
+    placed as a partial sum is refused by name, before anything is touched."""
+    shard = distribute_tensor(torch.arange(8.0), mesh, [Shard(0)])
+    if rank == 1:
+        shard.to_local()[0] = math.nan
+    out["found"] = bool(sc.find_non_finite([shard]))
+    out["report"] = [str(r) for r in sc.non_finite_leaves({"w": shard})]
+    partial = DTensor.from_local(torch.full((2,), 4.0), mesh, [Partial()])
+    try:
+        sc.unscale({"w": partial}, 2.0)
+    except sc.GradientValueError as exc:
+        out["refused"] = (str(exc), partial.to_local().tolist())
+
+
 def main() -> None:
     rank, world, init_file, out_file = sys.argv[1:5]
     dist.init_process_group(
@@ -72,15 +108,7 @@ def main() -> None:
     )
     mesh = init_device_mesh("cpu", (int(world),))
     ours_net, theirs_net = model(mesh), model(mesh)
-    fused_nets = {name: model(mesh) for name in ("recipe", "fold")}
-    fused = {
-        name: (
-            net,
-            torch.optim.Adam(net.parameters(), lr=1e-2, fused=True),
-            GradScaler("cpu", init_scale=2.0**12),
-        )
-        for name, net in fused_nets.items()
-    }
+    fused = {name: fused_copy(mesh) for name in ("recipe", "fold")}
     ours_opt = torch.optim.Adam(ours_net.parameters(), lr=1e-2)
     theirs_opt = torch.optim.Adam(theirs_net.parameters(), lr=1e-2)
     reports: list[StepReport] = []
@@ -120,14 +148,7 @@ def main() -> None:
             opt.zero_grad()
         out["stepped"].append(ours.stepped(ours_opt))
         for name, (_, opt, scaler) in fused.items():
-            if name == "fold":
-                norm = scaler.clip_and_step(opt, MAX_NORM)
-            else:
-                norm = scaler.unscale_and_clip_(opt, MAX_NORM)
-                scaler.step(opt)
-            out[name].append((float(norm), scaler.stepped(opt)))
-            scaler.update()
-            opt.zero_grad()
+            out[name].append(fused_step(name == "fold", opt, scaler))
     out["leaves"] = [[str(leaf) for leaf in r.leaves] for r in reports]
     out["params"] = [
         (full(a).detach().clone(), full(b).detach().clone())
@@ -136,22 +157,9 @@ def main() -> None:
     out["scales"] = (ours.get_scale(), theirs.get_scale())
     out["fused_params"] = [
         (full(a).detach().clone(), full(b).detach().clone())
-        for a, b in zip(
-            fused_nets["fold"].parameters(), fused_nets["recipe"].parameters(), strict=True
-        )
+        for a, b in zip(fused["fold"][0].parameters(), fused["recipe"][0].parameters(), strict=True)
     ]
-    # The functional API on a DTensor: rank 1's NaN is seen on both ranks; a DTensor
-    # placed as a partial sum is refused by name, before anything is touched.
-    shard = distribute_tensor(torch.arange(8.0), mesh, [Shard(0)])
-    if int(rank) == 1:
-        shard.to_local()[0] = math.nan
-    out["found"] = bool(sc.find_non_finite([shard]))
-    out["report"] = [str(r) for r in sc.non_finite_leaves({"w": shard})]
-    partial = DTensor.from_local(torch.full((2,), 4.0), mesh, [Partial()])
-    try:
-        sc.unscale({"w": partial}, 2.0)
-    except sc.GradientValueError as exc:
-        out["refused"] = (str(exc), partial.to_local().tolist())
+    functional_api(mesh, int(rank), out)
     torch.save(out, out_file)
     dist.barrier()  # no rank tears gloo down while another still talks to it
     dist.destroy_process_group()

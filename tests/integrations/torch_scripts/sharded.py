@@ -7,8 +7,8 @@ rank checks and steps only the shard it owns, as ZeRO and FSDP do. At the chosen
 steps an inf lands in rank 1's shard only (an overflow in its part of the
 reduction). With ``group`` the scaler ORs the found flag over the ranks; with
 ``none`` each rank decides alone; ``group-fold`` is ``group`` with a fused AdamW
-stepped by ``clip_and_step`` (the clip folded into its step). After training each shard is broadcast from
-its owner; the rank writes its full parameters, its skip decisions and its
+stepped by ``clip_and_step`` (the clip folded into its step). After training each
+shard is broadcast from its owner; the rank writes its full parameters, its skip decisions and its
 scaler state to ``OUT_FILE`` (``torch.save``).
 """
 

@@ -8,12 +8,14 @@ state, the scales and the skips must agree to the bit. accelerate runs as on a G
 builders, the float16 autocast and scaler it turns on on a GPU, and checks inside
 the loop that the forward ran in float16. The loops: a plain ``Accelerator``, the HF
 ``Trainer``, and FSDP1 and FSDP2 on two gloo ranks (``torch_scripts/accelerate_fsdp.py``).
-Then what ``install`` refuses, each refusal leaving the accelerator as it was.
+Then what ``install`` refuses, each refusal leaving the accelerator as it was, and the
+examples of docs/pytorch.md, which need a GPU, run the same way.
 """
 
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
@@ -31,6 +33,7 @@ from scaler_core.accelerate import install  # noqa: E402
 from scaler_core.torch import GradScaler, ShardedGradScaler  # noqa: E402
 
 pytestmark = pytest.mark.torch
+ROOT = Path(__file__).resolve().parents[2]
 STEPS = 12
 INF_AT = {6, 9}  # injected; the first steps overflow by themselves (init_scale 2**17)
 KWARGS = {"init_scale": 2.0**17, "growth_interval": 2}
@@ -407,3 +410,26 @@ def test_install_refuses_what_would_not_do_what_it_says_and_changes_nothing(
         assert getattr(target, "scaler", None) is before, case
         seen.append(case)
     assert len(seen) == 11
+
+
+def test_the_pages_examples_run_as_on_a_gpu(run_python: Any) -> None:
+    """The examples of docs/pytorch.md that need a GPU (accelerate builds no scaler on
+    the CPU) run on the CPU with accelerate turned on as on a GPU for every Accelerator."""
+    page = (ROOT / "docs" / "pytorch.md").read_text(encoding="utf-8")
+    blocks = re.findall(
+        r"<!-- readme-test: requires gpu accelerate[^>]*-->\n```python\n(.*?)```", page, re.S
+    )
+    assert len(blocks) == 2
+    prelude = (
+        "import sys\n"
+        f"sys.path.insert(0, {str(ROOT / 'tests/integrations/torch_scripts')!r})\n"
+        "import accelerate\n"
+        "from accelerate_gpu_path import as_on_a_gpu\n"
+        "init = accelerate.Accelerator.__init__\n"
+        "def on_a_gpu(self, *args, **kwargs):\n"
+        "    init(self, *args, **kwargs)\n"
+        "    as_on_a_gpu(self)\n"
+        "accelerate.Accelerator.__init__ = on_a_gpu\n"
+    )
+    for block in blocks:
+        run_python(prelude + block, env={"HF_HUB_OFFLINE": "1"})

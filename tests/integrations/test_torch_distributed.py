@@ -119,3 +119,24 @@ def test_fsdp1_with_a_fused_optimizer_skips_an_overflow_on_every_rank(torch_rank
         assert all(torch.isfinite(p).all() for p in ours[rank]["params"])
         skipped = [i for i, s in enumerate(ours[rank]["stepped"]) if not s]
         assert set(skipped) >= {3, 9, 10}
+
+
+def test_fsdp1_a_rank_without_an_optimizers_gradients_steps_as_with_pytorchs(
+    torch_ranks: Any,
+) -> None:
+    """FSDP1 with ``use_orig_params=True``: rank 0 holds no gradient of the optimizer of
+    the last bias. As PyTorch's ShardedGradScaler does, it gets a flag on the scale's
+    device and joins the all-reduce (scaler-core's used to raise "No inf checks were
+    recorded for this optimizer" there, leaving rank 1 in the all-reduce); rank 1's
+    infs skip that optimizer on both ranks, bit for bit as PyTorch's."""
+    ours = torch_ranks("fsdp1_idle.py", "ours")
+    want = torch_ranks("fsdp1_idle.py", "torch")
+    assert not any(ours[0]["held"])  # the case: rank 0 has none of that optimizer's gradients
+    assert all(ours[1]["held"])
+    for rank in range(2):
+        assert ours[rank]["scales"] == want[rank]["scales"]
+        for p, q in zip(ours[rank]["params"], want[rank]["params"], strict=True):
+            assert torch.equal(p, q)
+    backoffs = [s for s in range(1, 8) if ours[0]["scales"][s] < ours[0]["scales"][s - 1]]
+    assert backoffs == [2, 5]  # rank 1's infs, on rank 0 too
+    assert ours[0]["scales"] == ours[1]["scales"]

@@ -154,6 +154,11 @@ class GradScaler(torch.amp.GradScaler):
     #: Whether float16 gradients may be unscaled (PyTorch's ``unscale_`` refuses them;
     #: its ``ShardedGradScaler``, for FSDP's low-precision gradients, takes them).
     _ALLOW_FP16 = False
+    #: Whether an optimizer with no gradient here still gets a found flag, on the scale's
+    #: device (PyTorch's ``ShardedGradScaler``: under FSDP1 with ``use_orig_params=True`` a
+    #: rank may hold no shard of an optimizer's parameters; it steps, and joins the flags'
+    #: all-reduce, as every other rank does).
+    _FLAG_WITHOUT_GRADS = False
 
     def __init__(
         self,
@@ -294,7 +299,8 @@ class GradScaler(torch.amp.GradScaler):
         """As PyTorch's (the same grouping, errors and sparse handling), with the rules'
         check of the unscaled values where the scale may be below 1."""
         buckets = self._buckets(optimizer, allow_fp16 or self._ALLOW_FP16)
-        found = {dev: found_inf.to(dev, copy=True, non_blocking=True) for dev in buckets}
+        devices = self._flag_devices(buckets, found_inf.device)
+        found = {dev: found_inf.to(dev, copy=True, non_blocking=True) for dev in devices}
         unscale_buckets(buckets, inv_scale, found, self._check_outputs(inv_scale))
         self._reduce(found)
         self._look_for_leaves(optimizer, found)
@@ -322,7 +328,8 @@ class GradScaler(torch.amp.GradScaler):
         dummy inverse of 1, so below a scale of 1 the kernel's overflow goes unseen.)"""
         scale, _ = self._check_scale_growth_tracker("_check_inf_per_device")
         buckets = self._buckets(optimizer, True)
-        found = {dev: torch.zeros((), dtype=torch.float32, device=dev) for dev in buckets}
+        devices = self._flag_devices(buckets, scale.device)
+        found = {dev: torch.zeros((), dtype=torch.float32, device=dev) for dev in devices}
         inv = scale.double().reciprocal() if self._may_fall_below_one() else None
         check_for_fused(buckets, inv, found)
         self._reduce(found)
@@ -357,6 +364,15 @@ class GradScaler(torch.amp.GradScaler):
                         grad = grad._values()
                     buckets[grad.device][grad.dtype].append(grad)
         return buckets
+
+    def _flag_devices(
+        self, buckets: dict[torch.device, Any], scale_device: torch.device
+    ) -> list[torch.device]:
+        """The devices that get a found flag: the gradients', or (``_FLAG_WITHOUT_GRADS``)
+        the scale's when the optimizer has no gradient here."""
+        if buckets or not self._FLAG_WITHOUT_GRADS:
+            return list(buckets)
+        return [scale_device]
 
     def _check_outputs(self, inv_scale: torch.Tensor) -> bool | None:
         """Whether the unscaled values need their own check (the scale may be below 1)."""
@@ -539,7 +555,8 @@ class GradScaler(torch.amp.GradScaler):
             if grad is not param.grad:  # a sparse gradient, coalesced
                 param.grad = grad
         optimizer_state["found_inf_per_device"] = {
-            dev: found.to(dev, dtype=torch.float32, non_blocking=True) for dev in buckets
+            dev: found.to(dev, dtype=torch.float32, non_blocking=True)
+            for dev in self._flag_devices(buckets, _scale.device)
         }
         self._look_for_leaves(optimizer, optimizer_state["found_inf_per_device"])
         optimizer_state["stage"] = OptState.UNSCALED
@@ -604,7 +621,10 @@ class GradScaler(torch.amp.GradScaler):
         buckets = self._buckets(optimizer, True)  # as PyTorch's step checks for a fused one
         grads = [p.grad for group in optimizer.param_groups for p in group["params"]]
         found, norm, divisor = _ops.fold_clip(_TORCH, grads, scale, max_norm, self._decide)
-        per_device = {dev: found.to(dev, torch.float32, non_blocking=True) for dev in buckets}
+        per_device = {
+            dev: found.to(dev, torch.float32, non_blocking=True)
+            for dev in self._flag_devices(buckets, scale.device)
+        }
         optimizer_state["found_inf_per_device"] = per_device
         self._look_for_leaves(optimizer, per_device)
         self._fused_step(optimizer, optimizer_state, divisor)
@@ -938,9 +958,11 @@ class ShardedGradScaler(GradScaler):
     growth_interval, enabled, process_group)``. The found flags are ORed over
     ``process_group`` (by default the default group, looked up at each step, as
     PyTorch's uses it); float16 gradients (FSDP's ``keep_low_precision_grads``) are
-    unscaled; ``scale`` returns the scaled loss in the loss's own dtype, as PyTorch's
-    does. Everything else (failing closed, ``unscale_and_clip_``, ``on_step``,
-    ``config=``) is :class:`GradScaler`'s.
+    unscaled; an optimizer with no gradient on this rank (FSDP1 with
+    ``use_orig_params=True`` may leave a rank none of its parameters' shards) gets a
+    flag on the scale's device, steps and joins the all-reduce; ``scale`` returns the
+    scaled loss in the loss's own dtype, as PyTorch's does. Everything else (failing
+    closed, ``unscale_and_clip_``, ``on_step``, ``config=``) is :class:`GradScaler`'s.
 
     >>> scaler = ShardedGradScaler("cpu", 2.0**10, 0.25)  # backoff_factor third
     >>> scaler.get_backoff_factor()
@@ -948,6 +970,7 @@ class ShardedGradScaler(GradScaler):
     """
 
     _ALLOW_FP16 = True
+    _FLAG_WITHOUT_GRADS = True
 
     def __init__(
         self,

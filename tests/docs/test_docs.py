@@ -26,6 +26,7 @@ OPTIONAL = {
     "scaler_core.backends._cupy": ("cupy",),
     "scaler_core.backends._numpy_kernels": ("numba",),
     "scaler_core.torch": ("torch",),
+    "scaler_core.accelerate": ("torch",),
     "scaler_core.backends._torch": ("torch",),
     "scaler_core.backends._torch_host": ("torch",),
 }

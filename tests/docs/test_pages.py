@@ -48,6 +48,7 @@ PAGES = [README, *sorted(DOCS.glob("*.md"))]
 #: Optional libraries a block may import; it is skipped when one is missing.
 OPTIONAL = frozenset(
     {
+        "accelerate",
         "cupy",
         "equinox",
         "flax",
@@ -62,6 +63,7 @@ OPTIONAL = frozenset(
         "sklearn",
         "torch",
         "tqdm",
+        "transformers",
     }
 )
 _FENCE = re.compile(r"^```(\w*)\s*$")

@@ -1,7 +1,8 @@
 """``GradScaler`` over ``torch.distributed``: ranks that check different gradients skip together.
 
 Two real processes over ``torch.distributed`` (gloo on the loopback interface, on
-the CPU) run a script from ``torch_scripts/``:
+the CPU) run a script from ``torch_scripts/`` (the ``torch_ranks`` fixture of
+this folder's ``conftest.py``):
 
 * ``sharded.py``: each rank owns half the parameters, as under ZeRO, and an inf
   lands in rank 1's half only. With ``process_group=`` both ranks make the same
@@ -15,10 +16,6 @@ the CPU) run a script from ``torch_scripts/``:
 from __future__ import annotations
 
 import math
-import os
-import subprocess
-import sys
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -31,40 +28,14 @@ pytestmark = [
     pytest.mark.torch,
     pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not built in"),
 ]
-SCRIPTS = Path(__file__).resolve().parent / "torch_scripts"
-TIMEOUT_S = 120.0  # a healthy run takes a few seconds; only a hang comes near it
-
-
-def _run(tmp_path: Path, mode: str, script: str = "sharded.py") -> list[dict[str, Any]]:
-    init = tmp_path / f"store-{mode}"
-    outs = [tmp_path / f"rank{r}-{mode}.pt" for r in range(2)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo"}
-    procs = [
-        subprocess.Popen(
-            [sys.executable, str(SCRIPTS / script), str(r), "2", str(init), str(outs[r]), mode],
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for r in range(2)
-    ]
-    try:
-        results = [p.communicate(timeout=TIMEOUT_S) for p in procs]
-    finally:
-        for p in procs:
-            p.kill()
-    for r, (p, (_, err)) in enumerate(zip(procs, results, strict=True)):
-        assert p.returncode == 0, f"rank {r} failed:\n{err[-3000:]}"
-    return [torch.load(o, weights_only=False) for o in outs]
 
 
 @pytest.mark.parametrize("mode", ["group", "group-fold"], ids=["step", "clip_and_step"])
-def test_ranks_decide_together_over_the_process_group(tmp_path: Path, mode: str) -> None:
+def test_ranks_decide_together_over_the_process_group(torch_ranks: Any, mode: str) -> None:
     """Each rank checks only its own shard; the group ORs the flags, so both skip the
     four steps with an inf on rank 1 (with ``clip_and_step`` too, whose flag reaches
     the fused optimizer only after the OR)."""
-    rank0, rank1 = _run(tmp_path, mode)
+    rank0, rank1 = torch_ranks("sharded.py", mode)
     assert rank0["decisions"] == rank1["decisions"]
     assert rank0["decisions"].count(False) == 4  # the four injected steps, on both ranks
     assert rank0["state"] == rank1["state"]
@@ -73,14 +44,14 @@ def test_ranks_decide_together_over_the_process_group(tmp_path: Path, mode: str)
         assert torch.equal(a, b)
 
 
-def test_without_the_group_the_ranks_part_ways(tmp_path: Path) -> None:
-    rank0, rank1 = _run(tmp_path, "none")
+def test_without_the_group_the_ranks_part_ways(torch_ranks: Any) -> None:
+    rank0, rank1 = torch_ranks("sharded.py", "none")
     assert rank0["decisions"].count(False) == 0  # rank 0 never saw rank 1's inf
     assert rank1["decisions"].count(False) == 4
     assert rank0["state"]["scale"] != rank1["state"]["scale"]
 
 
-def test_fsdp2_gradients_take_every_extra_as_pytorchs_pair(tmp_path: Path) -> None:
+def test_fsdp2_gradients_take_every_extra_as_pytorchs_pair(torch_ranks: Any) -> None:
     """FSDP2 (DTensor gradients): ``unscale_and_clip_`` gives the global norm, the same
     flag on every rank and PyTorch's clip; the report names the leaf on every rank.
 
@@ -89,7 +60,7 @@ def test_fsdp2_gradients_take_every_extra_as_pytorchs_pair(tmp_path: Path) -> No
     (PyTorch: float32; scaler-core: float64, rounded once), so scaler-core's is within
     one float32 ulp of the exact norm and PyTorch's within a few.
     """
-    runs = _run(tmp_path, "-", "fsdp2.py")
+    runs = torch_ranks("fsdp2.py", "-")
     inf_steps = [3, 8]
     for rank, run in enumerate(runs):
         # PyTorch's own pair, with no process group: its DTensor layer all-reduces the
@@ -135,12 +106,12 @@ def test_fsdp2_gradients_take_every_extra_as_pytorchs_pair(tmp_path: Path) -> No
     assert runs[0]["fold"] == runs[1]["fold"]
 
 
-def test_fsdp1_sharded_grad_scaler_trains_as_pytorchs(tmp_path: Path) -> None:
+def test_fsdp1_sharded_grad_scaler_trains_as_pytorchs(torch_ranks: Any) -> None:
     """FSDP1 with float16 low-precision gradients: scaler_core.torch.ShardedGradScaler,
     built with PyTorch's positional order, gives PyTorch's ShardedGradScaler's scales,
     skips and parameters bit for bit; an inf in one rank's shard skips both ranks."""
-    ours = _run(tmp_path, "ours", "fsdp1.py")
-    want = _run(tmp_path, "torch", "fsdp1.py")
+    ours = torch_ranks("fsdp1.py", "ours")
+    want = torch_ranks("fsdp1.py", "torch")
     for rank in range(2):
         assert ours[rank]["scales"] == want[rank]["scales"]
         assert ours[rank]["stepped"] == want[rank]["stepped"]
@@ -152,14 +123,35 @@ def test_fsdp1_sharded_grad_scaler_trains_as_pytorchs(tmp_path: Path) -> None:
     assert sum(skipped) >= 3
 
 
-def test_fsdp1_with_a_fused_optimizer_skips_an_overflow_on_every_rank(tmp_path: Path) -> None:
+def test_fsdp1_with_a_fused_optimizer_skips_an_overflow_on_every_rank(torch_ranks: Any) -> None:
     """An inf in both ranks' shards, ``unscale_`` then a fused Adam's ``step``: the flags
     are ORed (a maximum), so the fused kernel sees 1 and skips; the parameters stay
     finite. (PyTorch's ShardedGradScaler sums the flags, to 2 here, and a fused Adam
     steps on a found_inf of 2; on the CPU its class fails earlier, on the shape of
     its flag.)"""
-    ours = _run(tmp_path, "ours-fused", "fsdp1.py")
+    ours = torch_ranks("fsdp1.py", "ours-fused")
     for rank in range(2):
         assert all(torch.isfinite(p).all() for p in ours[rank]["params"])
         skipped = [i for i, s in enumerate(ours[rank]["stepped"]) if not s]
         assert set(skipped) >= {3, 9, 10}
+
+
+def test_fsdp1_a_rank_without_an_optimizers_gradients_steps_as_with_pytorchs(
+    torch_ranks: Any,
+) -> None:
+    """FSDP1 with ``use_orig_params=True``: rank 0 holds no gradient of the optimizer of
+    the last bias. As PyTorch's ShardedGradScaler does, it gets a flag on the scale's
+    device and joins the all-reduce (scaler-core's used to raise "No inf checks were
+    recorded for this optimizer" there, leaving rank 1 in the all-reduce); rank 1's
+    infs skip that optimizer on both ranks, bit for bit as PyTorch's."""
+    ours = torch_ranks("fsdp1_idle.py", "ours")
+    want = torch_ranks("fsdp1_idle.py", "torch")
+    assert not any(ours[0]["held"])  # the case: rank 0 has none of that optimizer's gradients
+    assert all(ours[1]["held"])
+    for rank in range(2):
+        assert ours[rank]["scales"] == want[rank]["scales"]
+        for p, q in zip(ours[rank]["params"], want[rank]["params"], strict=True):
+            assert torch.equal(p, q)
+    backoffs = [s for s in range(1, 8) if ours[0]["scales"][s] < ours[0]["scales"][s - 1]]
+    assert backoffs == [2, 5]  # rank 1's infs, on rank 0 too
+    assert ours[0]["scales"] == ours[1]["scales"]

@@ -224,8 +224,8 @@ def test_install_in_the_trainer_trains_as_its_own_scaler(tmp_path: Path, as_on_a
     its default fused AdamW, which skips inside its kernel): ``install(trainer)`` before
     ``train()``, bit for bit; after ``train()``, refused.
 
-    (With a fused optimizer accelerate's ``optimizer_step_was_skipped`` is always false,
-    with either scaler: ``scaler.step`` calls a fused ``step`` on every step. So the skips
+    (With a fused optimizer accelerate's ``optimizer_step_was_skipped`` is always false
+    with PyTorch's scaler: its ``step`` calls a fused ``step`` on every step. So the skips
     are read from the scales: each one a backoff.)"""
     pytest.importorskip("transformers", reason="needs transformers (pip install transformers)")
     _, theirs = _fit(tmp_path, as_on_a_gpu, ours=False)

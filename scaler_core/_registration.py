@@ -131,6 +131,7 @@ class _Plan(NamedTuple):
     leaves: Callable[[Any], tuple[Any, ...]]  # their values
     keys: tuple[Any, ...]  # their key paths (GetAttrKey)
     statics: Callable[[Any], tuple[Any, ...]]  # the static data fields' values
+    order: tuple[str, ...]  # every field, in the order unflatten receives the values
 
 
 def _getter(names: tuple[str, ...]) -> Callable[[Any], tuple[Any, ...]]:
@@ -213,7 +214,8 @@ def _register_pytree() -> None:
         if plan is None:
             names = tuple(n for n in split.data if n not in held)
             keys = tuple(jax.tree_util.GetAttrKey(n) for n in names)
-            plan = plans.setdefault(held, _Plan(names, _getter(names), keys, _getter(held)))
+            plan = _Plan(names, _getter(names), keys, _getter(held), split.meta + names + held)
+            plan = plans.setdefault(held, plan)
         return plan
 
     # A jitted call flattens its state argument and unflattens its result on every
@@ -247,10 +249,7 @@ def _register_pytree() -> None:
         # dataclass checks nothing there, its __post_init__ only registers the class
         # (done by now), and its __init__ would double the cost of this call.
         obj = object.__new__(cls)
-        fields = obj.__dict__
-        fields.update(zip(split.meta, meta, strict=True))
-        fields.update(zip(plan_of(held).names, children, strict=True))
-        fields.update(zip(held, statics, strict=True))
+        obj.__dict__.update(zip(plan_of(held).order, (*meta, *children, *statics), strict=True))
         return obj
 
     try:

@@ -4,7 +4,8 @@ Each contender is one ``jax.jit``-ed step of the same float16 MLP, ``(params,
 scaler state, batch) -> (params, scaler state)``: scale the loss, take the
 gradients, unscale them, detect NaN/inf, advance the scale, and keep the old
 parameters on a skipped step. Interleaved (A B C A B C ...), medians of ``--reps``
-rounds of ``--steps`` calls, each call waited on:
+rounds of ``--steps`` calls back to back, each round waited on at its end (so JAX may
+dispatch a call while XLA still runs the one before, as a training loop does):
 
 * ``jmp``: jmp's own ``DynamicLossScale`` (``scale``, ``unscale``, ``all_finite``,
   ``adjust``, ``select_tree``), as its README writes the loop (skipped without jmp);

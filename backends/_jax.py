@@ -261,7 +261,10 @@ def to_device(state: ScalerState) -> ScalerState:
     Pass a device state to ``jax.jit``: Python scalars would be traced as weakly
     typed values and the first step's output (strongly typed) would retrace.
     Nothing is read back: a recorded failure moves with the state and raises at
-    the first host-side look. Works inside ``jax.jit`` too.
+    the first host-side look. Works inside ``jax.jit`` too. With spike skipping
+    off, the window statistics stay Python numbers: they never change then, and
+    the pytree holds them as static data beside the config, so a jitted step
+    does not carry them.
 
     Raises:
         InvalidArgumentError: ``state`` is not a :class:`~scaler_core.ScalerState`.
@@ -270,6 +273,7 @@ def to_device(state: ScalerState) -> ScalerState:
         state,
         lambda v: jnp.asarray(v, dtype=jnp.float32),
         lambda v: jnp.asarray(v, dtype=jnp.int32),
+        host_static=True,
     )
 
 

@@ -4,7 +4,8 @@ Each contender is one ``jax.jit``-ed step of the same float16 MLP, ``(params,
 scaler state, batch) -> (params, scaler state)``: scale the loss, take the
 gradients, unscale them, detect NaN/inf, advance the scale, and keep the old
 parameters on a skipped step. Interleaved (A B C A B C ...), medians of ``--reps``
-rounds of ``--steps`` calls, each call waited on:
+rounds of ``--steps`` calls back to back, each round waited on at its end (so JAX may
+dispatch a call while XLA still runs the one before, as a training loop does):
 
 * ``jmp``: jmp's own ``DynamicLossScale`` (``scale``, ``unscale``, ``all_finite``,
   ``adjust``, ``select_tree``), as its README writes the loop (skipped without jmp);
@@ -12,6 +13,12 @@ rounds of ``--steps`` calls, each call waited on:
   ``sc.update``, ``select`` on ``sc.step_skipped``), with ``sc.preset("jmp")``;
 * ``scaler_core_spikes``: the same with spike skipping on (``unscale_and_norm`` and
   the statistics): what spike skipping costs when it is used.
+
+Beside the steps, in the same rounds, the scaler's own share: a jitted
+``sc.update(state, found)`` alone (``us_per_update``), with spike skipping off
+(``spikes_off``, the preset) and on (``spikes_on``, given a norm). A call of a
+jitted function this small is mostly dispatch, so it shows what each state leaf
+costs a step.
 
 Before timing, the contenders' parameters and scales are checked equal after a run
 that overflows once (jmp's rule and the preset agree step by step).
@@ -86,6 +93,10 @@ def sc_step(params: Any, state: sc.ScalerState, x: Any) -> tuple[Any, Any]:
     return JAX.select(sc.step_skipped(state, jnp), params, _sgd(params, grads)), state
 
 
+#: The jitted transition alone, as the steps run it.
+sc_update = jax.jit(sc.update)
+
+
 @jax.jit
 def sc_spike_step(params: Any, state: sc.ScalerState, x: Any) -> tuple[Any, Any]:
     grads = jax.grad(lambda p: _loss(p, x) * state.scale)(params)
@@ -127,33 +138,45 @@ def check(width: int) -> None:
 
 def run(width: int, steps: int, reps: int) -> dict[str, Any]:
     params, x = _setup(width)
-    contenders: dict[str, tuple[Callable[..., Any], Any]] = {
-        "scaler_core": (sc_step, to_device(sc.init(sc.preset("jmp")))),
+    contenders: dict[str, tuple[Callable[..., Any], tuple[Any, ...]]] = {
+        "scaler_core": (sc_step, (params, to_device(sc.init(sc.preset("jmp"))), x)),
         "scaler_core_spikes": (
             sc_spike_step,
-            to_device(sc.init(sc.preset("jmp", spike_threshold=6.0))),
+            (params, to_device(sc.init(sc.preset("jmp", spike_threshold=6.0))), x),
         ),
     }
     step = jmp_step()
     if step is not None:
         import jmp  # noqa: PLC0415
 
-        contenders = {"jmp": (step, jmp.DynamicLossScale(jnp.float32(2.0**15))), **contenders}
-    for fn, scaler in contenders.values():  # compile outside the timer
-        jax.block_until_ready(fn(params, scaler, x))
-    times: dict[str, list[float]] = {name: [] for name in contenders}
+        scaler = jmp.DynamicLossScale(jnp.float32(2.0**15))
+        contenders = {"jmp": (step, (params, scaler, x)), **contenders}
+    found = jnp.asarray(False)
+    updates: dict[str, tuple[Callable[..., Any], tuple[Any, ...]]] = {
+        "spikes_off": (sc_update, (to_device(sc.init(sc.preset("jmp"))), found)),
+        "spikes_on": (
+            sc_update,
+            (to_device(sc.init(sc.preset("jmp", spike_threshold=6.0))), found, jnp.float32(1.0)),
+        ),
+    }
+    everyone = {**contenders, **{f"update:{n}": c for n, c in updates.items()}}
+    for fn, args in everyone.values():  # compile outside the timer
+        jax.block_until_ready(fn(*args))
+    times: dict[str, list[float]] = {name: [] for name in everyone}
     for _ in range(reps):
-        for name, (fn, scaler) in contenders.items():
+        for name, (fn, args) in everyone.items():
             t0 = time.perf_counter()
             for _ in range(steps):
-                out = fn(params, scaler, x)
+                out = fn(*args)
             jax.block_until_ready(out)
             times[name].append((time.perf_counter() - t0) / steps)
-    us = {name: statistics.median(t) * 1e6 for name, t in times.items()}
+    median = {name: statistics.median(t) * 1e6 for name, t in times.items()}
+    us = {name: median[name] for name in contenders}
     base = us.get("jmp", us["scaler_core"])
     return {
         "us_per_step": us,
         "speedup_vs_jmp": {name: base / v for name, v in us.items()} if "jmp" in us else {},
+        "us_per_update": {name: median[f"update:{name}"] for name in updates},
     }
 
 
@@ -186,6 +209,8 @@ def main(argv: list[str] | None = None) -> int:
     for name, us in result["us_per_step"].items():
         ratio = result["speedup_vs_jmp"].get(name)
         print(f"{name:20s} {us:9.1f} us/step" + (f"  {ratio:.2f}x jmp" if ratio else ""))
+    for name, us in result["us_per_update"].items():
+        print(f"update alone, {name:10s} {us:6.2f} us/call")
     print(f"wrote {out}")
     return 0
 

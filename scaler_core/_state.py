@@ -45,6 +45,11 @@ step into a :class:`StepKind`, then applies that kind. The rules:
   as they were. Every operation is rounded to float32 and a subnormal result is
   flushed to 0 (as XLA does), so the host and every device agree bit for bit.
   Non-finite gradients take precedence: their rules apply, statistics untouched.
+  With spike skipping off the statistics are static: :func:`device_update`
+  passes them through as they are (no arithmetic, no conversion), and under JAX
+  they are pytree auxiliary data beside the config, not leaves, so a jitted step
+  neither receives nor returns them (the field declaration says so, with
+  ``static_when``; :mod:`scaler_core._registration` reads it).
 * Every step: ``steps += 1``; a non-finite or spike step is skipped
   (``skipped_steps`` and ``consecutive_skips`` += 1), any other zeroes
   ``consecutive_skips``; ``last_kind`` records the step's
@@ -106,7 +111,7 @@ from ._errors import (
     SkipLimitError,
 )
 from ._f32 import FLT_MAX, FLT_MIN, INT32_MAX, f32, is_f32_exact, is_normal_f32
-from ._registration import declare, register_loaded
+from ._registration import declare, register_loaded, static_data, static_value
 
 __all__ = [
     "COUNTER_FIELDS",
@@ -233,6 +238,16 @@ COUNTER_FIELDS = (
 )
 
 
+def _spikes_off(state: ScalerState) -> bool:
+    """Whether ``state``'s config leaves spike skipping off: then its window statistics
+    never change, and are static data (under JAX, not leaves). Reads only the config."""
+    return state.config.spike_threshold is None
+
+
+#: The declaration of a window statistic: a data field, static while spike skipping is off.
+_STAT = {"static": False, "static_when": _spikes_off}
+
+
 @dataclasses.dataclass(frozen=True)
 class ScalerState:
     """The immutable state of one scaler: the scale and its counters.
@@ -255,6 +270,8 @@ class ScalerState:
         norm_mean: Spike skipping's rolling mean of the gradient norm (float32).
         norm_var: Its rolling variance (float32, >= 0).
         norm_count: Steps in the window so far, saturating at ``spike_window``.
+            With spike skipping off, these three never change and stay host
+            values (under JAX, static pytree data beside the config).
         last_kind: The :attr:`StepKind.code` of the last step (0: none yet);
             :attr:`last_step` reads it as a :class:`StepKind`.
     """
@@ -267,9 +284,9 @@ class ScalerState:
     skipped_steps: Any = dataclasses.field(default=0, metadata={"static": False})
     consecutive_skips: Any = dataclasses.field(default=0, metadata={"static": False})
     failure: Any = dataclasses.field(default=0, metadata={"static": False})
-    norm_mean: Any = dataclasses.field(default=0.0, metadata={"static": False})
-    norm_var: Any = dataclasses.field(default=0.0, metadata={"static": False})
-    norm_count: Any = dataclasses.field(default=0, metadata={"static": False})
+    norm_mean: Any = dataclasses.field(default=0.0, metadata=_STAT)
+    norm_var: Any = dataclasses.field(default=0.0, metadata=_STAT)
+    norm_count: Any = dataclasses.field(default=0, metadata=_STAT)
     last_kind: Any = dataclasses.field(default=0, metadata={"static": False})
 
     def __post_init__(self) -> None:
@@ -333,9 +350,10 @@ class ScalerState:
         return ScalerState(self.config, **values)
 
 
-#: The fields that change from step to step (the pytree leaves under JAX), in the
-#: order of the declaration above, which is the one source of the split; the
-#: config is the one static field.
+#: The fields that change from step to step, in the order of the declaration above,
+#: which is the one source of the pytree split: the config is always static, these
+#: are the leaves under JAX, less those static for the state's config
+#: (``static_when``: the window statistics while spike skipping is off).
 #: Every one of them is in exactly one of FLOAT_FIELDS and COUNTER_FIELDS (a test checks).
 DATA_FIELDS = tuple(f.name for f in dataclasses.fields(ScalerState) if not f.metadata["static"])
 declare(ScalerState, optional=SPIKE_FIELDS)  # for JAX's pytrees and flax's checkpoints
@@ -397,9 +415,18 @@ def _flat(value: Any) -> list[Any]:
 
 
 def _convert(
-    state: ScalerState, real: Callable[[Any], Any], counter: Callable[[Any], Any]
+    state: ScalerState,
+    real: Callable[[Any], Any],
+    counter: Callable[[Any], Any],
+    host_static: bool,
 ) -> ScalerState:
-    values = {n: (real if n in FLOAT_FIELDS else counter)(getattr(state, n)) for n in DATA_FIELDS}
+    held = static_data(state) if host_static else ()
+    values = {
+        n: static_value(state, n)
+        if n in held
+        else (real if n in FLOAT_FIELDS else counter)(getattr(state, n))
+        for n in DATA_FIELDS
+    }
     return ScalerState(state.config, **values)
 
 
@@ -417,7 +444,11 @@ def require_state(state: object) -> ScalerState:
 
 
 def convert_fields(
-    state: ScalerState, scale: Callable[[Any], Any], counter: Callable[[Any], Any]
+    state: ScalerState,
+    scale: Callable[[Any], Any],
+    counter: Callable[[Any], Any],
+    *,
+    host_static: bool = False,
 ) -> ScalerState:
     """``state`` with every float32 field (:data:`FLOAT_FIELDS`: the scale and the
     norm statistics) passed through ``scale`` and every counter through ``counter``.
@@ -426,10 +457,20 @@ def convert_fields(
     the host and nothing is checked, so a recorded failure moves with the state
     and raises at the first host-side look, wherever the state is then.
 
+    Args:
+        state: The state to convert.
+        scale: Makes a float32 field (a host or device value) a device value.
+        counter: Makes an int32 field a device value.
+        host_static: Keep the fields the config makes static (the window
+            statistics while spike skipping is off) as host numbers instead, as
+            JAX's pytree needs them (auxiliary data); a 0-d array there is read
+            back.
+
     Raises:
         InvalidArgumentError: ``state`` is not a :class:`ScalerState`.
+        InvalidStateError: (``host_static``) a static field is traced.
     """
-    return _convert(require_state(state), scale, counter)
+    return _convert(require_state(state), scale, counter, host_static)
 
 
 def init(config: ScalerConfig | None = None) -> ScalerState:
@@ -772,9 +813,13 @@ def device_update(
     cfg = require_state(state).config
     f32_, i32 = xp.float32, xp.int32
     found, x = _device_inputs(xp, state, found_non_finite, grad_norm)
+    # The fields the config makes static (the statistics, with spike skipping off:
+    # then x is None) pass through untouched: no arithmetic, and under JAX no leaf.
+    held = static_data(state)
     old = {
         n: xp.asarray(getattr(state, n), dtype=f32_ if n in FLOAT_FIELDS else i32)
         for n in DATA_FIELDS
+        if n not in held
     }
     scale, growth, hyst = old["scale"], old["growth_tracker"], old["hysteresis_tracker"]
     steps, skipped, consec = old["steps"], old["skipped_steps"], old["consecutive_skips"]
@@ -861,9 +906,10 @@ def device_update(
     keep = fail != zero
     out = {
         n: xp.asarray(xp.where(keep, old[n], new[n]), dtype=f32_ if n in FLOAT_FIELDS else i32)
-        for n in DATA_FIELDS
+        for n in old
         if n != "failure"
     }
+    out.update((n, getattr(state, n)) for n in held)
     return ScalerState(cfg, failure=fail, **out)
 
 

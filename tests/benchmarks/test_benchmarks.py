@@ -271,6 +271,8 @@ def test_jax_loop_bench_checks_jmp_and_the_port_agree_then_times_them(tmp_path: 
     result = json.loads(out.read_text())
     assert {"scaler_core", "scaler_core_spikes"} <= set(result["us_per_step"])
     assert all(v > 0 for v in result["us_per_step"].values())
+    assert set(result["us_per_update"]) == {"spikes_off", "spikes_on"}
+    assert all(v > 0 for v in result["us_per_update"].values())
     bad = _run(sys.executable, "benchmarks/bench_jax_loop.py", "--reps", "0", timeout=60)
     assert bad.returncode == 2
     assert "--reps=0, but it must be at least 1" in bad.stderr

@@ -227,6 +227,21 @@ def test_the_data_fields_split_into_float32_and_int32_fields() -> None:
         assert getattr(dev, name).dtype == want, name
 
 
+@pytest.mark.parametrize("found", [False, True])
+def test_with_spike_skipping_off_the_device_rules_pass_the_statistics_through(found: bool) -> None:
+    """Off, the statistics never change, so the device rules leave them as they are:
+    the very objects given (no arithmetic, no conversion to the namespace's arrays),
+    on every namespace, while the other fields become its arrays as before."""
+    state = dataclasses.replace(sc.init(), norm_mean=1.5, norm_var=np.float32(0.25), norm_count=3)
+    dev = device_update(np, state, np.bool_(found), grad_norm=100.0)  # the norm is ignored
+    for name in ("norm_mean", "norm_var", "norm_count"):
+        assert getattr(dev, name) is getattr(state, name), name
+    assert dev.scale.dtype == np.float32
+    assert dev.to_host() == sc.update(dataclasses.replace(state, norm_var=0.25), found)
+    spiky = device_update(np, sc.init(SPIKY), np.bool_(found), 1.0)
+    assert spiky.norm_count.dtype == np.int32  # on: arrays of the namespace, as every field
+
+
 @pytest.mark.parametrize(
     ("field", "value", "words"),
     [

@@ -16,32 +16,57 @@ from hypothesis import strategies as st
 
 jax = pytest.importorskip("jax", reason="the JAX backend needs jax")
 jnp = pytest.importorskip("jax.numpy", reason="the JAX backend needs jax")
+jax_core = pytest.importorskip("jax.extend.core", reason="the JAX backend needs jax")
 
 import scaler_core as sc  # noqa: E402
-from scaler_core._state import DATA_FIELDS, classify, host_update  # noqa: E402
+from scaler_core._state import DATA_FIELDS, classify, device_update, host_update  # noqa: E402
 from scaler_core.jax import to_device  # noqa: E402
 from scaler_core.testing import configs, flag_sequences, norm_sequences  # noqa: E402
 
 FLAGS_LEN = 64  # fixed length: one compile per config, not per sequence length
 
 
+#: The window statistics: static (not leaves) while spike skipping is off.
+STATS = ("norm_mean", "norm_var", "norm_count")
+
+
 def _fields(state: sc.ScalerState) -> tuple[Any, ...]:
-    return tuple(getattr(state, n).item() for n in DATA_FIELDS)
+    """Every data field as a Python value (a static one is one already)."""
+    return tuple(np.asarray(getattr(state, n)).item() for n in DATA_FIELDS)
 
 
 def _host_fields(state: sc.ScalerState) -> tuple[Any, ...]:
     return tuple(getattr(state, n) for n in DATA_FIELDS)
 
 
-def test_pytree_split_comes_from_the_declaration() -> None:
-    leaves = [f.name for f in dataclasses.fields(sc.ScalerState) if not f.metadata["static"]]
-    assert tuple(leaves) == DATA_FIELDS
-    state = to_device(sc.init(sc.ScalerConfig(min_scale=4.0, max_scale=2.0**20)))
-    flat, _ = jax.tree_util.tree_flatten(state)
-    assert len(flat) == len(DATA_FIELDS)
-    assert all(isinstance(x, jax.Array) for x in flat)
+def _declared_leaves(state: sc.ScalerState) -> tuple[str, ...]:
+    """The leaves the field declaration gives ``state``: the data fields less those
+    whose ``static_when`` holds for it."""
+    return tuple(
+        f.name
+        for f in dataclasses.fields(sc.ScalerState)
+        if not f.metadata["static"] and not f.metadata.get("static_when", lambda s: False)(state)
+    )
+
+
+@pytest.mark.parametrize("spikes", [False, True], ids=["spikes_off", "spikes_on"])
+def test_pytree_split_comes_from_the_declaration(spikes: bool) -> None:
+    config = sc.ScalerConfig(
+        min_scale=4.0, max_scale=2.0**20, spike_threshold=3.0 if spikes else None
+    )
+    state = to_device(sc.init(config))
+    with_paths, treedef = jax.tree_util.tree_flatten_with_path(state)
+    leaves = _declared_leaves(state)
+    assert [jax.tree_util.keystr(path) for path, _ in with_paths] == [f".{n}" for n in leaves]
+    assert leaves == (DATA_FIELDS if spikes else tuple(n for n in DATA_FIELDS if n not in STATS))
+    assert all(isinstance(x, jax.Array) for _, x in with_paths)
     assert state.scale.dtype == jnp.float32
     assert state.steps.dtype == jnp.int32
+    for name in STATS:  # off: Python numbers, held beside the config in the treedef
+        assert isinstance(getattr(state, name), jax.Array) is spikes
+    back = jax.tree_util.tree_unflatten(treedef, [x for _, x in with_paths])
+    assert back.config == config
+    assert back.to_host() == state.to_host()
 
 
 def _run(code: str, cwd: Path) -> str:
@@ -75,7 +100,8 @@ def test_a_state_built_once_jax_is_loaded_registers_the_class_without_the_backen
         """,
         tmp_path,
     )
-    assert out == f"{len(DATA_FIELDS)} {len(DATA_FIELDS)}"
+    leaves = len(DATA_FIELDS) - len(STATS)  # spike skipping is off by default
+    assert out == f"{leaves} {leaves}"
 
 
 def test_a_stub_jax_module_is_left_alone(tmp_path: Path) -> None:
@@ -109,6 +135,115 @@ def test_flax_restores_a_state_into_its_target_and_fills_the_spike_fields_of_an_
     del old["scale"]
     with pytest.raises(sc.InvalidStateError, match=r"lacks the ScalerState fields \['scale'\]"):
         serialization.from_state_dict(target, old)
+
+
+def test_flax_restores_the_static_statistics_of_a_state_with_spike_skipping_off() -> None:
+    """Saved with the other fields; restored as Python numbers, also from a checkpoint
+    that holds them as arrays (as one saved before they were static does)."""
+    serialization = pytest.importorskip("flax.serialization", reason="flax is optional")
+    host = _loaded(norm_mean=1.5, norm_var=0.25, norm_count=7)
+    state = jax.jit(sc.update)(to_device(host), jnp.asarray(True))
+    target = to_device(sc.init(host.config))
+    restored = serialization.from_bytes(target, serialization.to_bytes(state))
+    assert restored.to_host() == sc.update(host, True)
+    saved = serialization.to_state_dict(state)
+    saved.update(norm_mean=np.float32(1.5), norm_var=np.float32(0.25), norm_count=np.int32(7))
+    restored = serialization.from_state_dict(target, saved)
+    assert (restored.norm_mean, restored.norm_var, restored.norm_count) == (1.5, 0.25, 7)
+    assert [type(getattr(restored, n)) for n in STATS] == [float, float, int]
+    assert jax.jit(sc.update)(restored, jnp.asarray(False)).to_host() == sc.update(
+        sc.update(host, True), False
+    )
+
+
+def _loaded(**stats: Any) -> sc.ScalerState:
+    """A host state with spike skipping off and the given window statistics, loaded
+    from a checkpoint (as a run that had spike skipping on and turned it off would)."""
+    data = sc.to_dict(sc.init(sc.ScalerConfig(init_scale=2.0**10, growth_interval=3)))
+    data["state"].update(stats)
+    return sc.from_dict(data)
+
+
+def test_with_spike_skipping_off_a_jitted_update_neither_takes_nor_returns_the_statistics() -> None:
+    """What makes the statistics free when they are not used: they are not in the
+    traced program at all (no input, no output, no arithmetic); with spike skipping
+    on they are, and the window's update (its 1/n) is computed."""
+    flag = jnp.asarray(False)
+    off = to_device(sc.init(sc.preset("jmp")))
+    on = to_device(sc.init(sc.preset("jmp", spike_threshold=6.0)))
+    jaxpr_off = jax.make_jaxpr(sc.update)(off, flag)
+    jaxpr_on = jax.make_jaxpr(sc.update)(on, flag, jnp.float32(1.0))
+    live = len(DATA_FIELDS) - len(STATS)
+    assert (len(jaxpr_off.in_avals), len(jaxpr_off.out_avals)) == (live + 1, live)
+    assert (len(jaxpr_on.in_avals), len(jaxpr_on.out_avals)) == (
+        len(DATA_FIELDS) + 2,
+        len(DATA_FIELDS),
+    )
+    assert "div" not in _primitives(jaxpr_off.jaxpr)
+    assert "div" in _primitives(jaxpr_on.jaxpr)
+    assert len(jax.tree_util.tree_leaves(off)) == live
+
+
+def _primitives(jaxpr: Any) -> set[str]:
+    """Every primitive in ``jaxpr``, inner jaxprs (jit, where's) included."""
+    out = set()
+    for eqn in jaxpr.eqns:
+        out.add(eqn.primitive.name)
+        for sub in jax_core.jaxprs_in_params(eqn.params):
+            out |= _primitives(sub)
+    return out
+
+
+def test_with_spike_skipping_off_the_statistics_survive_jit_scan_cond_vmap_and_checkpoints() -> (
+    None
+):
+    """Static statistics keep their values (loaded, not the defaults) through every way
+    a state travels, and every path gives the host's answer."""
+    host = _loaded(norm_mean=1.5, norm_var=0.25, norm_count=7)
+    state = to_device(host)
+    assert [getattr(state, n) for n in STATS] == [1.5, 0.25, 7]
+    assert [type(getattr(state, n)) for n in STATS] == [float, float, int]
+    flags = [False, True, False, False, False, True]
+    expected = [host]
+    for flag in flags:
+        expected.append(host_update(expected[-1], flag))
+    step = jax.jit(sc.update)
+    stepped = state
+    for flag, want in zip(flags, expected[1:], strict=True):
+        stepped = step(stepped, jnp.asarray(flag))
+        assert stepped.to_host() == want
+        assert jax.tree_util.tree_structure(stepped) == jax.tree_util.tree_structure(state)
+    on_numpy = device_update(np, host, np.bool_(True))  # the device rules on the host
+    assert on_numpy.to_host() == host_update(host, True)
+    scanned = jax.jit(
+        lambda s, fs: jax.lax.scan(lambda c, f: (sc.update(c, f), c.steps), s, fs)[0]
+    )(state, jnp.asarray(flags))
+    assert scanned.to_host() == expected[-1]
+    pick = jax.jit(
+        lambda s, p: jax.lax.cond(p, lambda t: sc.update(t, jnp.asarray(True)), lambda t: t, s)
+    )
+    assert pick(state, jnp.asarray(True)).to_host() == host_update(host, True)
+    assert pick(state, jnp.asarray(False)).to_host() == host
+    stacked = jax.tree_util.tree_map(lambda *xs: jnp.stack(xs), state, state)
+    both = jax.vmap(sc.update)(stacked, jnp.asarray([False, True]))
+    for i, flag in enumerate((False, True)):
+        one = jax.tree_util.tree_map(lambda x, i=i: x[i], both)
+        assert one.to_host() == host_update(host, flag)
+    assert sc.from_dict(sc.to_dict(stepped)) == expected[-1]
+    assert sc.to_dict(stepped)["state"]["norm_mean"] == 1.5
+
+
+def test_a_static_statistic_held_in_an_array_is_read_back_once_and_a_traced_one_refused() -> None:
+    arrays = dataclasses.replace(
+        sc.init(), norm_mean=np.float32(1.5), norm_var=jnp.float32(0.25), norm_count=np.int32(7)
+    )
+    for state in (to_device(arrays), jax.jit(lambda s: s)(arrays)):
+        assert [getattr(state, n) for n in STATS] == [1.5, 0.25, 7]
+        assert [type(getattr(state, n)) for n in STATS] == [float, float, int]
+    with pytest.raises(
+        sc.InvalidStateError, match=r"ScalerState\.norm_mean=.*makes norm_mean static"
+    ):
+        jax.jit(lambda m: to_device(dataclasses.replace(sc.init(), norm_mean=m)))(jnp.float32(1))
 
 
 @given(config=configs(), steps=st.integers(0, 50), skipped=st.integers(0, 50))

@@ -437,7 +437,9 @@ class GradScaler(torch.amp.GradScaler):
         scale, _ = self._check_scale_growth_tracker("step")
         optimizer_state = self._per_optimizer_states[id(optimizer)]
         if optimizer_state["stage"] is OptState.STEPPED:
-            raise RuntimeError("step() has already been called since the last update().")
+            raise RuntimeError(  # PyTorch's error
+                "step() has already been called since the last update()."
+            )
         if optimizer_state["stage"] is OptState.READY:
             self._check_inf_per_device(optimizer)
             return self._fused_step(optimizer, optimizer_state, scale, *args, **kwargs)

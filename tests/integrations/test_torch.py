@@ -549,3 +549,14 @@ def test_the_drop_in_refuses_spike_skipping_with_the_way_out() -> None:
     with pytest.raises(sc.InvalidArgumentError, match="spike_threshold"):
         scaler.load_state_dict(saved)
     assert scaler.state == before
+
+
+@CLASSES
+def test_a_second_step_of_a_fused_optimizer_raises_pytorchs_error(cls: Any) -> None:
+    model = torch.nn.Linear(4, 3)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1, fused=True)
+    scaler = cls("cpu", init_scale=2.0**10)
+    scaler.scale(model(torch.ones(2, 4)).sum()).backward()
+    scaler.step(opt)
+    with pytest.raises(RuntimeError, match=r"^step\(\) has already been called since the last"):
+        scaler.step(opt)

@@ -13,6 +13,7 @@ a gradient of that optimizer, and its parameters to ``OUT_FILE`` (``torch.save``
 
 from __future__ import annotations
 
+import os
 import sys
 
 import torch
@@ -53,8 +54,14 @@ def main() -> None:
         scales.append(float(scaler.get_scale()))
     params = [p.detach().clone() for p in fsdp.parameters()]
     torch.save({"params": params, "scales": scales, "held": held}, out_file)
+    dist.barrier()  # no rank tears gloo down while another still talks to it
     dist.destroy_process_group()
 
 
 if __name__ == "__main__":
     main()
+    # Everything is written. Skip the interpreter's teardown: on a loaded machine gloo's
+    # threads, torn down there, sometimes abort the process ("terminate called without
+    # an active exception") after the work is done.
+    sys.stdout.flush()
+    os._exit(0)

@@ -20,6 +20,7 @@ import os
 import sys
 from typing import Any
 
+import _ranks
 import torch
 import torch.distributed as dist
 
@@ -107,14 +108,8 @@ def main() -> None:
         "ours": train(int(version), ours=True, rank=int(rank)),
     }
     torch.save(out, out_file)
-    dist.barrier()  # no rank tears gloo down while another still talks to it
-    dist.destroy_process_group()
+    _ranks.leave()
 
 
 if __name__ == "__main__":
-    main()
-    # Everything is written. Skip the interpreter's teardown: on a loaded machine gloo's
-    # threads, torn down there, sometimes abort the process ("terminate called without
-    # an active exception") after the work is done.
-    sys.stdout.flush()
-    os._exit(0)
+    _ranks.run(main)

@@ -16,9 +16,9 @@ parameters (its shard), its scales, its skip decisions and its gradients' dtypes
 
 from __future__ import annotations
 
-import os
 import sys
 
+import _ranks
 import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import FullyShardedDataParallel, MixedPrecision
@@ -77,14 +77,8 @@ def main() -> None:
         scales.append(float(scaler.get_scale()))
     params = [p.detach().clone() for p in fsdp.parameters()]
     torch.save({"params": params, "scales": scales, "stepped": stepped, "dtypes": dtypes}, out_file)
-    dist.barrier()  # no rank tears gloo down while another still talks to it
-    dist.destroy_process_group()
+    _ranks.leave()
 
 
 if __name__ == "__main__":
-    main()
-    # Everything is written. Skip the interpreter's teardown: on a loaded machine gloo's
-    # threads, torn down there, sometimes abort the process ("terminate called without
-    # an active exception") after the work is done.
-    sys.stdout.flush()
-    os._exit(0)
+    _ranks.run(main)

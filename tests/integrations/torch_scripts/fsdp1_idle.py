@@ -13,9 +13,9 @@ a gradient of that optimizer, and its parameters to ``OUT_FILE`` (``torch.save``
 
 from __future__ import annotations
 
-import os
 import sys
 
+import _ranks
 import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import FullyShardedDataParallel
@@ -54,14 +54,8 @@ def main() -> None:
         scales.append(float(scaler.get_scale()))
     params = [p.detach().clone() for p in fsdp.parameters()]
     torch.save({"params": params, "scales": scales, "held": held}, out_file)
-    dist.barrier()  # no rank tears gloo down while another still talks to it
-    dist.destroy_process_group()
+    _ranks.leave()
 
 
 if __name__ == "__main__":
-    main()
-    # Everything is written. Skip the interpreter's teardown: on a loaded machine gloo's
-    # threads, torn down there, sometimes abort the process ("terminate called without
-    # an active exception") after the work is done.
-    sys.stdout.flush()
-    os._exit(0)
+    _ranks.run(main)

@@ -22,10 +22,10 @@ parameters are written too.
 from __future__ import annotations
 
 import math
-import os
 import sys
 from typing import Any
 
+import _ranks
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
@@ -161,13 +161,8 @@ def main() -> None:
     ]
     functional_api(mesh, int(rank), out)
     torch.save(out, out_file)
-    dist.barrier()  # no rank tears gloo down while another still talks to it
-    dist.destroy_process_group()
+    _ranks.leave()
 
 
 if __name__ == "__main__":
-    main()
-    # Everything is written: skip the interpreter's teardown (gloo's threads, torn down
-    # there on a loaded machine, sometimes abort the process after the work is done).
-    sys.stdout.flush()
-    os._exit(0)
+    _ranks.run(main)

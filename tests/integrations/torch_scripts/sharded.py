@@ -14,9 +14,9 @@ scaler state to ``OUT_FILE`` (``torch.save``).
 
 from __future__ import annotations
 
-import os
 import sys
 
+import _ranks
 import torch
 import torch.distributed as dist
 
@@ -74,14 +74,8 @@ def main() -> None:
         },
         out_file,
     )
-    dist.barrier()  # no rank tears gloo down while another still talks to it
-    dist.destroy_process_group()
+    _ranks.leave()
 
 
 if __name__ == "__main__":
-    main()
-    # Everything is written. Skip the interpreter's teardown: on a loaded machine gloo's
-    # threads, torn down there, sometimes abort the process ("terminate called without
-    # an active exception", 1 run in 8 here) after the work is done.
-    sys.stdout.flush()
-    os._exit(0)
+    _ranks.run(main)

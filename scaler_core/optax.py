@@ -35,7 +35,9 @@ A skipped step must be a step that did not happen.
 from __future__ import annotations
 
 import dataclasses
-import sys
+import functools
+import inspect
+import types
 from typing import Any, NamedTuple
 
 import jax
@@ -109,18 +111,79 @@ def _unwrap(value: Any) -> Any:
     return value
 
 
-def _inside_multisteps() -> bool:
-    """Whether ``init`` is being called by ``optax.MultiSteps`` (its ``init`` calls ours)."""
-    frame = sys._getframe(2) if hasattr(sys, "_getframe") else None
-    for _ in range(4):  # MultiSteps.init -> (extra-args shim) -> init_fn
-        if frame is None:
-            return False
-        owner = frame.f_locals.get("self")
-        kind = type(owner)
-        if kind.__name__ == "MultiSteps" and kind.__module__.partition(".")[0] == "optax":
-            return True
+def _held_by_a_running_multisteps(ours: tuple[object, ...]) -> bool:
+    """Whether an ``optax.MultiSteps`` that holds ``ours`` is running a method right now.
+
+    ``init`` is given nothing but the params, so its callers are the only place to
+    find the ``MultiSteps`` that calls it; what decides is the structure. Every
+    frame down to the bottom of the stack is looked at, so how deep the wrapper
+    sits (chains inside chains, ``partition``, ``masked``, ``named_chain``, a
+    user's own combinator) does not matter. A ``MultiSteps`` found there counts
+    only if its inner transformation is built from ``ours`` (:func:`_reaches`): a
+    scaler that some code run by a ``MultiSteps`` makes and initialises for itself
+    is not inside it. Where the interpreter gives no frames, nothing is refused.
+    """
+    frame = inspect.currentframe()
+    while frame is not None:
+        code = frame.f_code
+        if "self" in code.co_varnames or "self" in code.co_freevars:
+            owner = frame.f_locals.get("self")
+            if isinstance(owner, optax.MultiSteps) and _reaches(owner, ours):
+                return True
         frame = frame.f_back
     return False
+
+
+# Not followed: scalars, text, JAX arrays (they have a __dict__), classes, modules.
+_ATOMS = (str, bytes, int, float, complex, type, types.ModuleType, jax.Array)
+
+
+def _reaches(root: object, targets: tuple[object, ...]) -> bool:
+    """Whether one of ``targets`` (compared by identity) is reachable from ``root``.
+
+    Follows what optax transformations are made of: the fields of a
+    ``GradientTransformation`` and other containers, functions' closures, defaults
+    and ``__wrapped__``, ``functools.partial``'s parts, bound methods and instance
+    attributes (``MultiSteps._opt``). Each object is visited once, so cycles end.
+    """
+    seen: set[int] = set()
+    todo = [root]
+    while todo:
+        obj = todo.pop()
+        if any(obj is target for target in targets):
+            return True
+        if id(obj) in seen or obj is None or isinstance(obj, _ATOMS):
+            continue
+        seen.add(id(obj))
+        todo.extend(_parts(obj))
+    return False
+
+
+def _parts(obj: object) -> list[object]:
+    """The objects ``obj`` directly holds, as far as :func:`_reaches` follows them."""
+    if isinstance(obj, (tuple, list, set, frozenset)):
+        return list(obj)
+    if isinstance(obj, dict):
+        return list(obj.values())
+    if isinstance(obj, types.FunctionType):
+        parts: list[object] = list(obj.__defaults__ or ())
+        parts += (obj.__kwdefaults__ or {}).values()
+        parts += vars(obj).values()  # __wrapped__ from functools.wraps
+        parts += [_contents(cell) for cell in obj.__closure__ or ()]
+        return parts
+    if isinstance(obj, types.MethodType):
+        return [obj.__func__, obj.__self__]
+    if isinstance(obj, functools.partial):
+        return [obj.func, *obj.args, *obj.keywords.values()]
+    attributes = getattr(obj, "__dict__", None)
+    return list(attributes.values()) if isinstance(attributes, dict) else []
+
+
+def _contents(cell: types.CellType) -> object:
+    try:
+        return cell.cell_contents
+    except ValueError:  # a variable not assigned yet
+        return None
 
 
 def loss_scaled(
@@ -160,10 +223,11 @@ def loss_scaled(
     Raises:
         InvalidStateError: Both ``config`` and ``state`` are given and differ,
             or ``state`` is not a :class:`~scaler_core.ScalerState`.
-        InvalidArgumentError: (at ``init``) the wrapper sits inside
-            ``optax.MultiSteps``, which would accumulate unchecked scaled
-            gradients; ``loss_scaled(optax.MultiSteps(...))`` is the order that
-            works.
+        InvalidArgumentError: (at ``init``, before any state exists) the wrapper
+            sits inside ``optax.MultiSteps``, directly or at any depth (through
+            ``chain``, ``partition``, ``masked``, ``named_chain``, ...), which would
+            accumulate unchecked scaled gradients; ``loss_scaled(optax.MultiSteps(
+            ...))`` is the order that works.
     """
     start = start_state(config, state)
     _ops.require_float32_factors(BACKEND.namespace(), start.config)  # now, not when traced
@@ -171,11 +235,12 @@ def loss_scaled(
     spikes = start.config.spike_threshold is not None
 
     def init_fn(params: Any) -> LossScaledState:
-        if _inside_multisteps():
+        if _held_by_a_running_multisteps((init_fn, update_fn)):
             raise InvalidArgumentError(
-                "optax.MultiSteps(loss_scaled(...)) accumulates the scaled gradients before "
-                "they are checked, and one overflow poisons every later window (MultiSteps' "
-                "reset multiplies inf by 0): every step is then skipped and the scale "
+                "optax.MultiSteps(loss_scaled(...)), with loss_scaled at any depth inside "
+                "MultiSteps' optimizer, accumulates the scaled gradients before they are "
+                "checked, and one overflow poisons every later window (MultiSteps' reset "
+                "multiplies inf by 0): every step is then skipped and the scale "
                 "driven down. Put the accumulation inside: loss_scaled(optax.MultiSteps("
                 "inner, every_k_schedule=k)) checks each micro-batch before it is added"
             )

@@ -110,6 +110,75 @@ def test_loss_scaled_inside_multisteps_is_refused_with_the_working_order() -> No
         tx.init({"w": jnp.ones(3)})
 
 
+def _nested(depth: int, tx: Any) -> Any:
+    for _ in range(depth):
+        tx = optax.chain(tx)
+    return tx
+
+
+_LABELS = {"a": "scaled", "b": "plain"}
+_NESTINGS: dict[str, Any] = {
+    "chain-chain": lambda ls: optax.chain(optax.chain(ls)),
+    "chain-partition": lambda ls: optax.chain(
+        optax.partition({"scaled": ls, "plain": optax.sgd(0.1)}, _LABELS)
+    ),
+    "multi_transform": lambda ls: optax.multi_transform(
+        {"scaled": ls, "plain": optax.sgd(0.1)}, _LABELS
+    ),
+    "named_chain": lambda ls: optax.named_chain(("clip", optax.clip(1.0)), ("scaled", ls)),
+    "masked": lambda ls: optax.chain(optax.masked(ls, {"a": True, "b": False})),
+    "six-chains": lambda ls: _nested(6, ls),
+    "gradient_transformation": lambda ls: optax.chain(
+        optax.MultiSteps(_nested(2, ls), every_k_schedule=2).gradient_transformation()
+    ),
+}
+
+
+@pytest.mark.parametrize("wrap", list(_NESTINGS.values()), ids=list(_NESTINGS))
+def test_loss_scaled_nested_at_any_depth_inside_multisteps_is_refused(wrap: Any) -> None:
+    """However deep the wrapper sits inside MultiSteps (chains, partition, masked,
+    named_chain), MultiSteps still accumulates its scaled gradients unchecked: after
+    one overflow no update was ever applied again and the scale halved every window.
+    (The check looked a fixed number of frames up the stack, and missed these.)"""
+    tx = optax.MultiSteps(wrap(loss_scaled(optax.sgd(0.1))), every_k_schedule=2)
+    params = {"a": jnp.ones(3), "b": jnp.ones(2)}
+    with pytest.raises(sc.InvalidArgumentError, match=r"loss_scaled\(optax\.MultiSteps\("):
+        tx.init(params)
+    with pytest.raises(sc.InvalidArgumentError, match=r"loss_scaled\(optax\.MultiSteps\("):
+        jax.eval_shape(tx.init, params)  # under tracing too
+
+
+def test_a_loss_scaled_that_multisteps_does_not_hold_is_not_refused() -> None:
+    """Only a MultiSteps that holds the wrapper refuses it: one initialised inside a
+    MultiSteps' init for some other purpose, or on its own, is accepted."""
+    seen = []
+
+    def init(params: Any) -> Any:  # an inner optimizer that inits a scaler of its own
+        seen.append(loss_scale(loss_scaled(optax.sgd(0.1)).init(params)))
+        return optax.sgd(0.1).init(params)
+
+    probe = optax.GradientTransformation(init, optax.sgd(0.1).update)
+    params = {"w": jnp.ones(3)}
+    optax.MultiSteps(probe, every_k_schedule=2).init(params)
+    assert [float(s) for s in seen] == [65536.0]
+    held = loss_scaled(optax.sgd(0.1))
+    optax.MultiSteps(optax.chain(held), every_k_schedule=2)  # built, never initialised
+    assert float(loss_scale(held.init(params))) == 65536.0
+
+
+def test_multisteps_nested_inside_loss_scaled_is_accepted_and_checks_each_micro_batch() -> None:
+    tx = loss_scaled(optax.chain(optax.chain(optax.MultiSteps(optax.sgd(0.1), 2))))
+    params = {"w": jnp.ones(3)}
+    state = tx.init(params)
+    for i in range(12):  # unscaled gradients of 1.0, one overflow: 11 micro-batches kept
+        grads = {"w": jnp.full(3, jnp.inf if i == 3 else 1.0) * loss_scale(state)}
+        updates, state = tx.update(grads, state, params)
+        params = optax.apply_updates(params, updates)
+    assert int(state.scaler.skipped_steps) == 1
+    assert float(state.scaler.scale) == 32768.0
+    assert float(params["w"][0]) == pytest.approx(1.0 - 5 * 0.1)  # five whole windows
+
+
 def test_flax_serialization_round_trips_the_optimizer_state() -> None:
     serialization = pytest.importorskip("flax.serialization", reason="flax is optional")
     tx = loss_scaled(optax.adam(1e-2), sc.ScalerConfig(min_scale=1.0, growth_interval=3))

@@ -12,9 +12,11 @@ is ever imported.
 
 from __future__ import annotations
 
+import math
+import sys
 from typing import Any
 
-from ._config import ScalerConfig
+from ._config import ScalerConfig, shown
 from ._errors import GradientTypeError, GradientValueError, InvalidArgumentError
 
 __all__ = [
@@ -99,10 +101,22 @@ def host_norm(value: object, what: str = "grad_norm") -> float | None:
     Raises:
         GradientTypeError: ``value`` is a bool, a string, a container, a complex
             number, ``None``, or a NumPy value that is not a 0-d float.
-        GradientValueError: ``value`` is a negative host number (``-inf`` too).
+        GradientValueError: ``value`` is a negative host number (``-inf`` too), or
+            an int too large for a float (``10**400``; ``math.inf`` is the norm).
     """
     if isinstance(value, (int, float)) and not isinstance(value, bool):
-        out = float(value)
+        try:
+            out = float(value)
+        except OverflowError:  # an int beyond every float: refused, not taken as inf
+            if value < 0:
+                out = -math.inf
+            else:
+                raise GradientValueError(
+                    f"{what}={shown(value)}, but it is too large for a float (a norm is at "
+                    f"most {sys.float_info.max!r}, or inf); pass math.inf for a norm that "
+                    f"overflowed, or the norm returned by scaler_core.unscale_and_norm() or "
+                    f"unscale_and_clip()"
+                ) from None
     elif type(value).__module__ in _NUMPY_MODULES:
         dtype = str(getattr(value, "dtype", ""))
         if not dtype.startswith(("float", "bfloat")) or getattr(value, "shape", None) != ():
@@ -114,7 +128,7 @@ def host_norm(value: object, what: str = "grad_norm") -> float | None:
         return None
     if out < 0:
         raise GradientValueError(
-            f"{what}={value!r}, but a norm is >= 0 (NaN or inf on a step whose gradients "
+            f"{what}={shown(value)}, but a norm is >= 0 (NaN or inf on a step whose gradients "
             f"are not finite); pass the norm returned by scaler_core.unscale_and_norm() or "
             f"unscale_and_clip(), or math.sqrt of a sum of squares"
         )
@@ -159,7 +173,7 @@ def describe(value: object) -> str:
     """``value`` for a message: its repr on the host; type, shape and dtype for a
     device array (whose repr would copy it to the host)."""
     if array_library(value) is None:
-        return repr(value)
+        return shown(value)
     shape = getattr(value, "shape", None)
     shape = tuple(shape) if shape is not None else None
     return f"<{type(value).__name__} shape={shape} dtype={getattr(value, 'dtype', None)}>"

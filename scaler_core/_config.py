@@ -34,8 +34,24 @@ _SPIKE_LOW = 1.1e-19
 _SPIKE_HIGH = 1.8e19
 
 
+#: An int longer than this is described in messages, not printed: no float holds it
+#: (the largest is below 2**1024), and Python refuses to print more than 4300 digits.
+_SHOWN_BITS = 1024
+
+
+def shown(value: object) -> str:
+    """``repr(value)`` for a message; an int beyond every float is described by its size.
+
+    >>> shown(2.5), shown(10**400)
+    ('2.5', 'an int of 1329 bits')
+    """
+    if isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > _SHOWN_BITS:
+        return f"{'a negative' if value < 0 else 'an'} int of {value.bit_length()} bits"
+    return repr(value)
+
+
 def _fail(name: str, value: object, must: str) -> InvalidConfigError:
-    return InvalidConfigError(f"{name}={value!r}, but it must be {must}")
+    return InvalidConfigError(f"{name}={shown(value)}, but it must be {must}")
 
 
 def _real(name: str, value: object, must: str) -> float:

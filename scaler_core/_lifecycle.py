@@ -26,7 +26,7 @@ from ._coerce import norm_missing_error
 from ._config import ScalerConfig
 from ._errors import InvalidArgumentError, LifecycleError
 from ._report import LeafReport, non_finite_leaves
-from ._serialize import from_dict, to_dict
+from ._serialize import load_dict, to_dict
 from ._state import (
     ScalerState,
     StepKind,
@@ -520,10 +520,14 @@ class GradScaler:
 
     # ------------------------------------------------------------------ saving
     def state_dict(self) -> dict[str, Any]:
-        """The state as a JSON-safe dict (see :func:`scaler_core.to_dict`).
+        """The state as a JSON-safe dict (see :func:`scaler_core.to_dict`), checked as
+        :meth:`load_state_dict` will check it, so what is saved can be loaded.
 
         Raises:
             LifecycleError: Called mid-step (checks recorded but not updated).
+            InvalidStateError: The state holds a field no load would accept (a state
+                given by hand or returned by a policy); the message is the load's.
+            ScaleCollapseError: A device transition recorded a failure.
         """
         self._next(Call.STATE_DICT)
         return to_dict(self._state)
@@ -531,14 +535,24 @@ class GradScaler:
     def load_state_dict(self, data: dict[str, Any]) -> None:
         """Replace the state with a validated one; nothing changes on error.
 
+        Reads every dict :func:`scaler_core.from_dict` reads: this class's
+        :meth:`state_dict` (a scaler-core checkpoint, with its own config);
+        ``torch.amp.GradScaler.state_dict()``, whose scale, factors, interval and
+        growth tracker replace this scaler's while every knob PyTorch lacks (floor,
+        ceiling, hysteresis, skip limit, spike skipping) stays this scaler's
+        :attr:`config`, as ``scaler_core.torch.GradScaler`` loads it; and
+        ``scaler_core.torch.GradScaler.state_dict()``, as that class loads it.
+
         Raises:
-            InvalidStateError: ``data`` is malformed or out of range.
+            InvalidStateError: ``data`` is malformed or out of range (for PyTorch's
+                dict: against this scaler's config, such as a scale below its
+                ``min_scale``).
             InvalidArgumentError: The policy cannot be called as its config
                 needs (spike skipping on or off).
             LifecycleError: Called mid-step.
         """
         self._next(Call.LOAD_STATE_DICT)
-        state = from_dict(data)
+        state = load_dict(data, self._state.config)
         # A checkpoint may turn spike skipping on or off: the policy is called anew.
         self._step = self._policy_step(state.config)
         self._state = state

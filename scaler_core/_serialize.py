@@ -2,7 +2,16 @@
 
 Loading validates exactly as construction does, and builds nothing until every
 check has passed: a bad checkpoint raises :class:`InvalidStateError` and leaves
-nothing half-loaded.
+nothing half-loaded. Saving runs the same checks on what it writes, so every dict
+:func:`to_dict` writes, :func:`from_dict` reads: a state no load would accept
+(built by hand, as ``ScalerState`` checks nothing) is refused when saved, with the
+message its load would give, not at resume.
+
+Three dicts are read, told apart by their keys: scaler-core's checkpoint (a
+``"schema"`` key); ``torch.amp.GradScaler.state_dict()`` (PyTorch's five keys);
+and ``scaler_core.torch.GradScaler.state_dict()`` (those five and
+:data:`TORCH_STATE_KEY`, holding a checkpoint). No array library is imported: the
+drop-in writes Python numbers in every entry.
 """
 
 from __future__ import annotations
@@ -13,7 +22,7 @@ import numbers
 from collections.abc import Mapping
 from typing import Any
 
-from ._config import ScalerConfig
+from ._config import ScalerConfig, shown
 from ._errors import InvalidArgumentError, InvalidConfigError, InvalidStateError
 from ._f32 import INT32_MAX, f32, is_normal_f32
 from ._state import DATA_FIELDS, LAST_KIND_CODES, SPIKE_FIELDS, ScalerState
@@ -22,13 +31,18 @@ __all__ = [
     "FORMATS",
     "SCHEMA",
     "SCHEMA_VERSION",
+    "TORCH_STATE_KEY",
     "from_dict",
     "from_torch_state_dict",
+    "load_dict",
     "to_dict",
     "with_torch_entries",
 ]
 
 SCHEMA = "scaler_core.state"
+#: The key under which ``scaler_core.torch.GradScaler.state_dict()`` holds
+#: :func:`to_dict`'s checkpoint, beside PyTorch's five entries.
+TORCH_STATE_KEY = "scaler_core"
 #: Version 2 added spike skipping: the config's ``spike_threshold`` and
 #: ``spike_window``, the state's window statistics and ``last_kind``. A config
 #: with ``growth_delay`` set (DeepSpeed's preset) adds that key to its config; a
@@ -71,8 +85,19 @@ def to_dict(state: ScalerState, *, format: str = "scaler_core") -> dict[str, Any
     PyTorch lacks (floors, hysteresis, ...) are dropped. :func:`from_dict` reads
     both. A device state is read back to the host first; a recorded failure raises.
 
+    What is written is checked as :func:`from_dict` checks it when it is read (for
+    ``"torch"``, against ``state``'s config), before anything is returned: a run
+    that saves can resume. A state no load would accept (one built by hand with a
+    field out of range, such as Megatron's hysteresis tracker of ``-1``; see
+    ``hysteresis_tracker`` in :class:`ScalerState`) is refused with the message
+    its load would give.
+
     Raises:
         InvalidArgumentError: ``format`` is not one of :data:`FORMATS`.
+        InvalidStateError: ``from_dict`` would refuse what would be written (the
+            message names the key, the value and the range it must be in), or a
+            field holds no number of its kind.
+        ScaleCollapseError: A device transition recorded a failure in ``state``.
 
     >>> from scaler_core import init
     >>> d = to_dict(init())
@@ -87,22 +112,26 @@ def to_dict(state: ScalerState, *, format: str = "scaler_core") -> dict[str, Any
             f"every field, 'torch' for torch.amp.GradScaler.state_dict()'s keys"
         )
     if format == "torch":
-        return _to_torch(state)
+        out = _to_torch(state)
+        from_torch_state_dict(out, state.config)  # raises what loading it would raise
+        return out
     host = state.to_host()
     config = host.config.to_dict()
     for name in _OPTIONAL_CONFIG_FIELDS:
         if config[name] == _DEFAULTS[name]:
             del config[name]
-    return {
+    out = {
         "schema": SCHEMA,
         "version": SCHEMA_VERSION,
         "config": config,
         "state": {name: getattr(host, name) for name in _STATE_KEYS},
     }
+    _checkpoint(out, "checkpoint")  # raises what loading it would raise
+    return out
 
 
 def _bad(where: str, value: object, must: str) -> InvalidStateError:
-    return InvalidStateError(f"{where}={value!r}, but it must be {must}")
+    return InvalidStateError(f"{where}={shown(value)}, but it must be {must}")
 
 
 def _mapping(where: str, data: object) -> Mapping[str, Any]:
@@ -115,7 +144,7 @@ def _mapping(where: str, data: object) -> Mapping[str, Any]:
 
 def _exact_keys(where: str, data: Mapping[str, Any], keys: tuple[str, ...]) -> None:
     missing = [k for k in keys if k not in data]
-    extra = sorted(repr(k) for k in data if k not in keys)
+    extra = sorted(shown(k) for k in data if k not in keys)
     if missing or extra:
         raise InvalidStateError(
             f"{where} has missing keys {missing!r} and unknown keys [{', '.join(extra)}]; "
@@ -123,12 +152,21 @@ def _exact_keys(where: str, data: Mapping[str, Any], keys: tuple[str, ...]) -> N
         )
 
 
-def _int_field(where: str, value: object, low: int, high: int) -> int:
+def _int_field(where: str, value: object, low: int, high: int, why: str = "") -> int:
+    must = f"an int in [{low}, {high}]{why}"
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise _bad(where, value, f"an int in [{low}, {high}]")
+        raise _bad(where, value, must)
     if not low <= int(value) <= high:
-        raise _bad(where, value, f"an int in [{low}, {high}]")
+        raise _bad(where, value, must)
     return int(value)
+
+
+#: Why the hysteresis tracker's range starts at 1, for its messages.
+_HYSTERESIS_WHY = (
+    " (the overflows left before a backoff: 1 backs off at the next one; Megatron's "
+    "own tracker counts on to 0, -1, ... where this one stays at 1, with the same "
+    "decisions, so build a state from Megatron's with max(1, its tracker))"
+)
 
 
 def _scale_field(where: str, value: object, config: ScalerConfig) -> float:
@@ -192,60 +230,111 @@ def _config(where: str, data: object, keys: tuple[str, ...] = _CONFIG_FIELDS) ->
         raise InvalidStateError(f"{where}: {exc}") from exc
 
 
-def from_dict(data: Mapping[str, Any], config: ScalerConfig | None = None) -> ScalerState:
-    """Rebuild a state from either format :func:`to_dict` writes, validating every field.
+def _format(data: object) -> str:
+    """Which dict ``data`` is: ``"scaler_core"`` (a checkpoint, or anything that is
+    not one of the others, for :func:`_checkpoint` to refuse), ``"torch"`` (PyTorch's
+    state dict) or ``"dropin"`` (``scaler_core.torch.GradScaler.state_dict()``)."""
+    if not isinstance(data, Mapping) or "schema" in data:
+        return "scaler_core"
+    if TORCH_STATE_KEY in data:
+        return "dropin"
+    return "torch" if set(data) & set(_TORCH_KEYS) else "scaler_core"
 
-    A scaler-core checkpoint (it has a ``"schema"`` key) carries its own config;
-    the current version and version 1 are read (version 1 was written before spike
-    skipping existed: its config gets spike skipping off, its state a fresh window).
-    A ``torch.amp.GradScaler.state_dict()`` gives the scale, the factors, the
-    interval and the growth tracker; every other knob comes from ``config``
-    (defaults when omitted), and ``init_scale`` becomes the saved scale.
+
+def from_dict(data: Mapping[str, Any], config: ScalerConfig | None = None) -> ScalerState:
+    """Rebuild a state from any dict a scaler of this project saves, validating every field.
+
+    A scaler-core checkpoint (:func:`to_dict`; it has a ``"schema"`` key) carries
+    its own config; the current version and version 1 are read (version 1 was
+    written before spike skipping existed: its config gets spike skipping off, its
+    state a fresh window). A ``torch.amp.GradScaler.state_dict()`` gives the
+    scale, the factors, the interval and the growth tracker; every other knob
+    comes from ``config`` (defaults when omitted), and ``init_scale`` becomes the
+    saved scale. A ``scaler_core.torch.GradScaler.state_dict()`` (PyTorch's five
+    entries and a checkpoint under :data:`TORCH_STATE_KEY`) is read as that class
+    loads it: the checkpoint gives every field, and PyTorch's entries win where
+    they are edited (see :func:`with_torch_entries`).
 
     Raises:
         InvalidStateError: ``data`` is empty (a disabled GradScaler saves ``{}``),
             partial, of another schema or version, wrongly typed, or out of range
-            (the message names the key); or ``config`` is given with a scaler-core
-            checkpoint, which carries its own.
+            (the message names the key); or ``config`` is given with a dict that
+            carries its own (a scaler-core checkpoint, the drop-in's dict).
 
     >>> from scaler_core import init
     >>> from_dict(to_dict(init())) == init()
     True
     >>> from_dict(to_dict(init(), format="torch")) == init()
     True
+    >>> from_dict({**to_dict(init(), format="torch"), "scaler_core": to_dict(init())}) == init()
+    True
     """
-    if isinstance(data, Mapping) and "schema" not in data and set(data) & set(_TORCH_KEYS):
+    kind = _format(data)
+    if kind == "torch":
         return from_torch_state_dict(data, config)
     if config is not None:
+        what = (
+            "a scaler_core checkpoint"
+            if kind == "scaler_core"
+            else f"a scaler_core.torch.GradScaler.state_dict(), whose {TORCH_STATE_KEY!r} entry"
+        )
         raise _bad(
             "config",
             config,
-            "None with a scaler_core checkpoint, which carries its own config (config= is "
-            "for a torch.amp.GradScaler.state_dict())",
+            f"None with {what}, which carries its own config (config= is for a "
+            f"torch.amp.GradScaler.state_dict())",
         )
-    data = _mapping("checkpoint", data)
-    _exact_keys("checkpoint", data, ("schema", "version", "config", "state"))
+    if kind == "dropin":
+        return _from_dropin(data)
+    return _checkpoint(data, "checkpoint")
+
+
+def load_dict(data: Mapping[str, Any], config: ScalerConfig) -> ScalerState:
+    """What a scaler whose policy is ``config`` loads from ``data``, as :func:`from_dict`
+    reads it: a ``torch.amp.GradScaler.state_dict()`` keeps ``config`` for every knob it
+    lacks (PyTorch's four numbers and tracker replace theirs); a dict that carries its
+    own config (a scaler-core checkpoint, the drop-in's dict) brings it.
+
+    Raises:
+        InvalidStateError: As :func:`from_dict`.
+    """
+    return from_dict(data, config if _format(data) == "torch" else None)
+
+
+def _from_dropin(data: Mapping[str, Any]) -> ScalerState:
+    """A ``scaler_core.torch.GradScaler.state_dict()``: its checkpoint, then PyTorch's
+    entries applied over it (they win), each checked and named by its key."""
+    payload = _checkpoint(data[TORCH_STATE_KEY], f"state_dict[{TORCH_STATE_KEY!r}]")
+    return with_torch_entries(payload, {k: v for k, v in data.items() if k != TORCH_STATE_KEY})
+
+
+def _checkpoint(data: object, root: str) -> ScalerState:
+    """A scaler-core checkpoint read and checked, its keys named from ``root``."""
+    data = _mapping(root, data)
+    _exact_keys(root, data, ("schema", "version", "config", "state"))
     if type(data["schema"]) is not str or data["schema"] != SCHEMA:
-        raise _bad("checkpoint['schema']", data["schema"], repr(SCHEMA))
+        raise _bad(f"{root}['schema']", data["schema"], repr(SCHEMA))
     version = data["version"]
     if type(version) is not int or version not in READABLE_VERSIONS:
         raise _bad(
-            "checkpoint['version']",
+            f"{root}['version']",
             version,
             f"one of {list(READABLE_VERSIONS)} (this scaler-core reads versions up to "
             f"{SCHEMA_VERSION}; upgrade it)",
         )
     config_keys, state_keys = _KEYS[version]
-    config = _config("checkpoint['config']", data["config"], config_keys)
-    fields = _mapping("checkpoint['state']", data["state"])
-    _exact_keys("checkpoint['state']", fields, state_keys)
+    config = _config(f"{root}['config']", data["config"], config_keys)
+    fields = _mapping(f"{root}['state']", data["state"])
+    _exact_keys(f"{root}['state']", fields, state_keys)
 
     def w(key: str) -> str:
-        return f"checkpoint['state'][{key!r}]"
+        return f"{root}['state'][{key!r}]"
 
     scale = _scale_field(w("scale"), fields["scale"], config)
     growth = _tracker_field(w("growth_tracker"), fields["growth_tracker"])
-    hyst = _int_field(w("hysteresis_tracker"), fields["hysteresis_tracker"], 1, config.hysteresis)
+    hyst = _int_field(
+        w("hysteresis_tracker"), fields["hysteresis_tracker"], 1, config.hysteresis, _HYSTERESIS_WHY
+    )
     steps = _int_field(w("steps"), fields["steps"], 0, INT32_MAX)
     skipped = _int_field(w("skipped_steps"), fields["skipped_steps"], 0, steps)
     limit = (

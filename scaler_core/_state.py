@@ -255,14 +255,18 @@ class ScalerState:
     Fields hold Python scalars on the host, or 0-d arrays (float32 scale, int32
     counters) on a device. Build one with :func:`init`; advance it with
     :func:`scaler_core.update`. No value checks run here (they would break under
-    ``jax.jit``); :func:`scaler_core.from_dict` validates loaded states.
+    ``jax.jit``): :func:`scaler_core.from_dict` validates loaded states, and
+    :func:`scaler_core.to_dict` refuses to save one it would not load (so a state
+    built by hand out of range fails at the save, not at the resume).
 
     Attributes:
         config: The static :class:`ScalerConfig`.
         scale: The current loss scale, a float32 value. Read it with
             :meth:`current_scale`, which checks for a recorded failure.
         growth_tracker: Clean steps since the last growth or backoff.
-        hysteresis_tracker: Overflows still needed before the next backoff.
+        hysteresis_tracker: Overflows still needed before the next backoff, in
+            ``[1, hysteresis]``: at 1 the next overflow backs off. (Megatron's own
+            tracker counts on past its last credit, 0, -1, ...; each is 1 here.)
         steps: Steps taken (updates), saturating at int32 max.
         skipped_steps: Steps skipped for non-finite gradients.
         consecutive_skips: Skipped steps since the last clean one.
@@ -374,8 +378,8 @@ def _one_value(state: ScalerState, name: str, cast: Callable[[Any], Any]) -> Any
     value = getattr(state, name)
     shape = getattr(value, "shape", None)
     if shape is None or tuple(shape) == ():
-        return cast(value)
-    values = [cast(v) for v in _flat(value.tolist())]
+        return _cast(name, value, cast)
+    values = [_cast(name, v, cast) for v in _flat(value.tolist())]
     if not values:
         raise InvalidStateError(
             f"state.{name} has shape {tuple(shape)} and holds no value; pass a state "
@@ -406,6 +410,27 @@ def _one_value(state: ScalerState, name: str, cast: Callable[[Any], Any]) -> Any
             differences={name: dict(enumerate(values))},
         )
     return values[0]
+
+
+def _cast(name: str, value: Any, cast: Callable[[Any], Any]) -> Any:
+    """``cast(value)``: field ``name``'s value as a Python float or int.
+
+    Raises:
+        InvalidStateError: It holds no number of that kind (a string, NaN or a
+            fraction in a counter, an int no float holds), as a state built by hand
+            may; the message names the field.
+    """
+    try:
+        out = None if isinstance(value, (str, bytes)) else cast(value)
+    except (TypeError, ValueError, OverflowError):
+        out = None
+    if out is None or (cast is int and isinstance(value, float) and out != value):
+        kind = "a float32 value" if cast is float else "an int32 counter (an int)"
+        raise InvalidStateError(
+            f"state.{name}={describe(value)}, but it must be {kind}; build a state with "
+            f"scaler_core.init() and advance it with update(), or load one with from_dict()"
+        )
+    return out
 
 
 def _flat(value: Any) -> list[Any]:

@@ -172,3 +172,57 @@ def test_a_bfloat16_numpy_scalar_is_a_host_norm() -> None:
     out = sc.update(_warm(), False, grad_norm=norm)
     assert out.on_host
     assert out == sc.update(_warm(), False, grad_norm=1.5)
+
+
+# ------------------------------------------------- numbers no float holds
+#: Ints beyond the largest float (``float()`` raises ``OverflowError``), and one beyond
+#: the digits ``repr`` prints (it raises ``ValueError``): each a clear refusal, the int
+#: described by its size.
+HUGE = [10**400, -(10**400), 10**5000]
+
+
+def _huge_id(value: int) -> str:
+    return f"{'-' if value < 0 else ''}int of {value.bit_length()} bits"
+
+
+def _shown(value: int) -> str:
+    return f"{'a negative' if value < 0 else 'an'} int of {value.bit_length()} bits"
+
+
+@pytest.mark.parametrize("huge", HUGE, ids=_huge_id)
+def test_a_norm_no_float_holds_is_refused_on_every_host_path(huge: int) -> None:
+    """Refused before anything changes, as a GradientValueError naming the value: too
+    large for a float (pass math.inf), or negative (a norm is >= 0)."""
+    state = _warm()
+    before = copy.deepcopy(state)
+    calls = [
+        lambda: sc.update(state, False, grad_norm=huge),
+        lambda: sc.classify(state, False, huge),
+        lambda: device_update(np, state, np.bool_(False), huge),
+        lambda: sc.get_backend("numpy").update(state, False, huge),
+    ]
+    why = "a norm is >= 0" if huge < 0 else r"it is too large for a float.*pass math\.inf"
+    for call in calls:
+        with pytest.raises(sc.GradientValueError, match=rf"grad_norm={_shown(huge)}, but {why}"):
+            call()
+    assert state == before
+
+
+@pytest.mark.parametrize("huge", HUGE, ids=_huge_id)
+@pytest.mark.parametrize(
+    "field", ["init_scale", "growth_factor", "min_scale", "spike_threshold", "growth_interval"]
+)
+def test_a_config_number_no_float_holds_is_refused_naming_the_field(field: str, huge: int) -> None:
+    with pytest.raises(sc.InvalidConfigError, match=rf"^{field}={_shown(huge)}, but it must"):
+        sc.ScalerConfig(**{field: huge})
+
+
+@pytest.mark.parametrize("huge", HUGE, ids=_huge_id)
+@pytest.mark.parametrize("key", ["scale", "growth_tracker", "steps"])
+def test_a_checkpoint_number_no_float_holds_is_refused_naming_the_key(key: str, huge: int) -> None:
+    data = sc.to_dict(sc.init())
+    bad = {**data, "state": {**data["state"], key: huge}}
+    with pytest.raises(
+        sc.InvalidStateError, match=rf"^checkpoint\['state'\]\['{key}'\]={_shown(huge)}, but"
+    ):
+        sc.from_dict(bad)

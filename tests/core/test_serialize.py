@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import json
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -14,7 +16,7 @@ from hypothesis import strategies as st
 
 import scaler_core as sc
 from scaler_core._serialize import SCHEMA_VERSION
-from scaler_core.testing import configs, flag_sequences
+from scaler_core.testing import configs, flag_sequences, states
 
 
 def run(cfg: sc.ScalerConfig, flags: list[bool]) -> sc.ScalerState:
@@ -231,3 +233,110 @@ def test_a_scale_that_is_not_a_float32_is_refused_like_a_factor(scale: float) ->
         sc.ScalerConfig(init_scale=scale)
     with pytest.raises(sc.InvalidStateError, match=rf"use {nearest!r}"):
         sc.from_dict({**sc.to_dict(sc.init(), format="torch"), "scale": scale})
+
+
+# ------------------------------------------- every state to_dict writes, from_dict reads
+def _megatron_like(tracker: int) -> sc.ScalerState:
+    """A state carrying Megatron's own hysteresis tracker (``DynamicGradScaler`` counts it
+    0, -1, -2 ... on consecutive overflows), as a conversion of its state builds it."""
+    return sc.ScalerState(sc.preset("megatron"), 2.0**20, 0, tracker)
+
+
+def _unchecked(state: sc.ScalerState) -> dict[str, Any]:
+    """What ``to_dict`` would write for ``state`` without checking it."""
+    data = sc.to_dict(sc.init(state.config))
+    data["state"] = {k: getattr(state, k) for k in data["state"]}
+    return data
+
+
+@pytest.mark.parametrize("tracker", [0, -1, -2, 3])
+def test_a_state_from_dict_would_refuse_is_refused_by_to_dict_with_its_message(
+    tracker: int,
+) -> None:
+    """A run that saves must resume: a hysteresis tracker outside [1, hysteresis] (which
+    ``update`` carries on with: its decisions are those of 1) is refused when saved, with
+    from_dict's own message, and nothing is written."""
+    state = sc.update(_megatron_like(tracker), False)  # the transition takes it
+    if tracker < 1:
+        state = sc.update(state, True)  # and keeps it, as Megatron backs off
+    assert state.hysteresis_tracker == tracker
+    with pytest.raises(sc.InvalidStateError) as at_load:
+        sc.from_dict(_unchecked(state))
+    with pytest.raises(sc.InvalidStateError) as at_save:
+        sc.to_dict(state)
+    assert str(at_save.value) == str(at_load.value)
+    assert "hysteresis_tracker" in str(at_save.value)
+    assert f"={tracker}, but it must be an int in [1, 2] (" in str(at_save.value)
+    assert "max(1, its tracker)" in str(at_save.value)
+    scaler = sc.GradScaler(state=state)
+    with pytest.raises(sc.InvalidStateError, match="hysteresis_tracker"):
+        scaler.state_dict()
+
+
+@given(states())
+def test_every_state_to_dict_writes_from_dict_reads(state: sc.ScalerState) -> None:
+    assert sc.from_dict(sc.to_dict(state)) == state
+    torch_format = sc.to_dict(state, format="torch")
+    back = sc.from_dict(torch_format, state.config)
+    assert (back.scale, back.growth_tracker) == (state.scale, state.growth_tracker)
+
+
+@given(
+    states(),
+    st.sampled_from(
+        [
+            "scale",
+            "growth_tracker",
+            "hysteresis_tracker",
+            "steps",
+            "skipped_steps",
+            "consecutive_skips",
+            "norm_mean",
+            "norm_var",
+            "norm_count",
+            "last_kind",
+        ]
+    ),
+    st.one_of(
+        st.integers(-3, 3),
+        st.integers(),
+        st.sampled_from([2**31, -(2**31) - 1, 0.5, -1.0, 1e-40, float("inf"), float("nan")]),
+    ),
+)
+def test_a_state_to_dict_writes_is_one_from_dict_reads_or_it_is_refused_alike(
+    state: sc.ScalerState, field: str, value: Any
+) -> None:
+    """Any field of a state built by hand (``ScalerState`` checks nothing, so it works
+    under ``jax.jit``): ``to_dict`` writes it only if ``from_dict`` reads it back, and
+    otherwise refuses it with from_dict's message, in either format."""
+    bad = dataclasses.replace(state, **{field: value})
+    saved = _outcome(lambda: sc.to_dict(bad))
+    if saved[0] == "refused":
+        assert _outcome(lambda: sc.from_dict(_unchecked(bad.to_host()))) == saved
+    else:
+        assert sc.from_dict(saved[1]) == bad.to_host()
+    saved = _outcome(lambda: sc.to_dict(bad, format="torch"))
+    if saved[0] == "refused":
+        loaded = _outcome(lambda: sc.from_dict(_unchecked_torch(bad.to_host()), bad.config))
+        assert loaded == saved
+    else:
+        sc.from_dict(saved[1], bad.config)
+
+
+def _outcome(call: Callable[[], Any]) -> tuple[str, Any]:
+    """``("ok", result)``, or ``("refused", message)`` for an ``InvalidStateError``."""
+    try:
+        return "ok", call()
+    except sc.InvalidStateError as exc:
+        return "refused", str(exc)
+
+
+def _unchecked_torch(state: sc.ScalerState) -> dict[str, Any]:
+    cfg = state.config
+    return {
+        "scale": state.scale,
+        "growth_factor": cfg.growth_factor,
+        "backoff_factor": cfg.backoff_factor,
+        "growth_interval": cfg.growth_interval,
+        "_growth_tracker": state.growth_tracker,
+    }

@@ -236,13 +236,15 @@ def test_readme_links_to_every_page() -> None:
     assert linked <= pages, f"the README links to missing pages {sorted(linked - pages)}"
 
 
-#: An import of a private module or name of scaler-core (a ``python -m scaler_core._cli...``
-#: command line, or a file path in prose, is fine).
+#: An import of a private module or name of scaler-core, or a command line that runs a
+#: private module (``python -m scaler_core._cli.x``: users run ``scaler-core`` or
+#: ``python -m scaler_core``). A file path in prose, to read, is fine.
 _PRIVATE = re.compile(
     r"^\s*(?:from\s+scaler_core(?:\.\w+)*\._\w+\s+import"
     r"|import\s+scaler_core(?:\.\w+)*\._\w+"
     r"|from\s+scaler_core(?:\.\w+)*\s+import\s[^#\n]*\b_\w+)"
-    r"|scaler_core\.backends\._\w+",
+    r"|scaler_core\.backends\._\w+"
+    r"|-m\s+scaler_core(?:\.\w+)*\._\w+",
     re.MULTILINE,
 )
 #: Names that moved or were renamed; the pages must not mention them.

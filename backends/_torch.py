@@ -64,12 +64,15 @@ from ._common import (
 __all__ = [
     "BACKEND",
     "LEAVES",
+    "UNSCALED_ON_SKIP",
     "Leaves",
     "TorchBackend",
     "TorchNamespace",
     "check_for_fused",
+    "dtensor_type",
     "inverse_scale",
     "kernel_takes",
+    "reads_free",
     "unscale_buckets",
 ]
 
@@ -135,7 +138,7 @@ class _Leaf(NamedTuple):
     spread: tuple[Any, tuple[int, ...]] | None
 
 
-def _dtensor_type() -> type | None:
+def dtensor_type() -> type | None:
     """DTensor's class if ``torch.distributed.tensor`` was imported (else no leaf is one)."""
     module = sys.modules.get("torch.distributed.tensor")
     return getattr(module, "DTensor", None)
@@ -189,7 +192,7 @@ def _leaves(grads: Any) -> list[_Leaf]:
             return flat
     out: list[_Leaf] = []
     seen: set[int] = set()
-    dtensor = _dtensor_type()
+    dtensor = dtensor_type()
     for path, leaf in leaves_with_paths(grads):
         LEAVES.check(path, leaf)
         local, spread = leaf, None
@@ -762,9 +765,20 @@ class Leaves:
 
 
 class TorchBackend(Backend):
-    """Unscale and detection for torch tensors; the flag is a 0-d ``torch.bool`` tensor."""
+    """Unscale and detection for torch tensors; the flag is a 0-d ``torch.bool`` tensor.
+
+    Args:
+        unscale_skipped: Whether :meth:`rescale` leaves a skipped step's gradients
+            unscaled on the CPU route too, as ``torch.amp.GradScaler.unscale_`` leaves
+            them and as the accelerator route does anyway (one write, on skipped steps
+            only). The drop-in's clip asks for it; the backend protocol's rule (a
+            skipped step writes nothing) is the default.
+    """
 
     name = "torch"
+
+    def __init__(self, *, unscale_skipped: bool = False) -> None:
+        self.unscale_skipped = unscale_skipped
 
     def leaves(self, grads: Any, *, writable: bool) -> Leaves:
         """See :meth:`scaler_core.Backend.leaves`: every leaf validated, each tensor once.
@@ -846,7 +860,8 @@ class TorchBackend(Backend):
         """See :meth:`scaler_core.Backend.rescale`, after :meth:`measure` without ``write``.
 
         On CPU: unless ``skip`` (a CPU flag, read for free), one write of the unscaled
-        values times the coefficient, through the plan the read made. Elsewhere the
+        values times the coefficient, through the plan the read made (with
+        ``unscale_skipped``, a skipped step's unscaled values). Elsewhere the
         values are unscaled already (see :meth:`measure`): one ``_foreach_mul_`` by the
         coefficient, which is 1 where ``skip`` (decided on the device, never read
         back), so a skipped step's gradients stay unscaled.
@@ -858,9 +873,12 @@ class TorchBackend(Backend):
         host, values = leaves.host, leaves.values
         leaves.host = leaves.values = None  # one rescale per measure
         if host is not None:
-            if self.to_bool(skip):
-                return leaves.grads
             numpy_backend, prepared, scale_value, inv = host
+            if self.to_bool(skip):
+                if self.unscale_skipped:  # a coefficient of 1 (a norm of 0): unscale()'s values
+                    norm, max_norm = np.float32(0.0), 1.0
+                else:
+                    return leaves.grads
             host_norm = np.float32(float(norm))
             if isinstance(prepared, _torch_host.Plan):
                 with np.errstate(all="ignore"):
@@ -961,3 +979,6 @@ def _default_device(scale: Any) -> torch.device:
 
 
 BACKEND = TorchBackend()
+#: The drop-in's backend for its clip: a skipped step's gradients are left unscaled on
+#: every route, as ``torch.amp.GradScaler.unscale_`` leaves them.
+UNSCALED_ON_SKIP = TorchBackend(unscale_skipped=True)

@@ -27,6 +27,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ._coerce import describe, flag_error, host_flag
+from ._config import shown
 from ._errors import GradientValueError, InvalidArgumentError, InvalidConfigError
 from ._f32 import FLT_MAX, f32, is_f32_exact
 from ._state import ScalerState, device_update, host_update, require_state
@@ -68,16 +69,16 @@ def max_norm_of(max_norm: Any) -> float:
         f"to clip to, e.g. max_norm=1.0"
     )
     if isinstance(max_norm, bool) or not isinstance(max_norm, numbers.Real):
-        shown = (
+        seen = (
             f"a {type(max_norm).__module__}.{type(max_norm).__qualname__}"
             if hasattr(max_norm, "shape") and hasattr(max_norm, "dtype")
-            else repr(max_norm)  # an array is named, not shown: repr may read it back
+            else shown(max_norm)  # an array is named, not shown: repr may read it back
         )
-        raise InvalidArgumentError(f"max_norm={shown}, but it must be {must}")
+        raise InvalidArgumentError(f"max_norm={seen}, but it must be {must}")
     try:
         value = float(max_norm)
     except (OverflowError, ValueError):
-        raise InvalidArgumentError(f"max_norm={max_norm!r}, but it must be {must}") from None
+        raise InvalidArgumentError(f"max_norm={shown(max_norm)}, but it must be {must}") from None
     if not (math.isfinite(value) and 0.0 < value <= FLT_MAX and f32(value) > 0.0):
         raise InvalidArgumentError(f"max_norm={max_norm!r}, but it must be {must}")
     return value
@@ -130,8 +131,9 @@ def find_non_finite(backend: Any, grads: Any) -> Any:
     return found
 
 
-def _clip_args(scale: Any, max_norm: Any, reduce: Any) -> float:
-    """The clip's arguments checked (the scale given, ``max_norm``, ``reduce``): the limit."""
+def _clip_args(scale: Any, max_norm: Any, reduce: Any, reduce_norm: Any) -> float:
+    """The clip's arguments checked (the scale given, ``max_norm``, ``reduce``,
+    ``reduce_norm``): the limit."""
     _given(scale)
     limit = max_norm_of(max_norm)
     if reduce is not None and not callable(reduce):
@@ -139,47 +141,66 @@ def _clip_args(scale: Any, max_norm: Any, reduce: Any) -> float:
             f"reduce={reduce!r}, but it must be a callable that takes the flag and returns "
             f"the step's decision flag, or None"
         )
+    if reduce_norm is not None and not callable(reduce_norm):
+        raise InvalidArgumentError(
+            f"reduce_norm={reduce_norm!r}, but it must be a callable that takes the norm of "
+            f"these gradients and returns the norm to clip by (over every replica's), or None"
+        )
     return limit
 
 
-def unscale_and_clip(
+def unscale_and_clip(  # noqa: PLR0913 - the facades' two reductions, each its own hook
     backend: Any,
     grads: Any,
     scale: Any,
     max_norm: Any,
     reduce: Callable[[Any], Any] | None = None,
+    *,
+    reduce_norm: Callable[[Any], Any] | None = None,
 ) -> tuple[Any, Any, Any]:
     """Unscale, detect and clip to ``max_norm``: a read, the decision, then a write or none.
 
     The measuring pass reads every gradient and writes nothing: the flag and the
     norm of the unscaled values. ``reduce`` (when given) turns that flag into the
     step's decision (a facade ORs in its other groups and replicas there, on the
-    device). The rescale pass then stores each unscaled value times
+    device), and ``reduce_norm`` that norm into the one to clip by (a facade whose
+    replicas each hold a shard of the gradients combines their norms there), in that
+    order. The rescale pass then stores each unscaled value times
     :func:`clip_coefficient`, or, on a skipped step, writes nothing.
 
     Returns:
         ``(grads, found, norm)``: the decision flag (after ``reduce``) and the norm
-        before clipping (what ``clip_grad_norm_`` returns).
+        clipped by (after ``reduce_norm``; what ``clip_grad_norm_`` returns).
 
     Raises:
         InvalidArgumentError: ``max_norm`` is not a positive finite real, or
-            ``reduce`` is not callable; the backend's errors for bad leaves or a
-            bad scale. All before anything is modified.
+            ``reduce`` or ``reduce_norm`` is not callable; the backend's errors for
+            bad leaves or a bad scale. All before anything is modified.
     """
-    limit = _clip_args(scale, max_norm, reduce)
+    limit = _clip_args(scale, max_norm, reduce, reduce_norm)
     prepared = backend.leaves(grads, writable=True)
     _, found, norm = backend.measure(prepared, scale, write=False)
-    if reduce is not None:
-        found = reduce(found)
+    found, norm = _reduced(found, norm, reduce, reduce_norm)
     return backend.rescale(prepared, scale, norm, limit, found), found, norm
 
 
-def fold_clip(
+def _reduced(found: Any, norm: Any, reduce: Any, reduce_norm: Any) -> tuple[Any, Any]:
+    """The measured flag and norm after the facade's ``reduce`` and ``reduce_norm``."""
+    if reduce is not None:
+        found = reduce(found)
+    if reduce_norm is not None:
+        norm = reduce_norm(norm)
+    return found, norm
+
+
+def fold_clip(  # noqa: PLR0913 - the facades' two reductions, each its own hook
     backend: Any,
     grads: Any,
     scale: Any,
     max_norm: Any,
     reduce: Callable[[Any], Any] | None = None,
+    *,
+    reduce_norm: Callable[[Any], Any] | None = None,
 ) -> tuple[Any, Any, Any]:
     """Unscale, detect and clip folded into an optimizer's own pass: a read, nothing written.
 
@@ -187,10 +208,11 @@ def fold_clip(
     (PyTorch's fused ones). The measuring pass reads every gradient and writes nothing
     (the leaves are prepared read-only): the flag and the norm of the unscaled values,
     as :func:`unscale_and_clip` measures them. ``reduce`` turns the flag into the
-    step's decision, as there. The optimizer then divides by
-    :func:`clip_divisor`, ``scale / coef``: one rounding where unscaling and clipping
-    make two, so the gradient it uses is within a float32 ulp or so of the clipped
-    one (and equal to it when nothing is clipped and the scale is a power of two).
+    step's decision and ``reduce_norm`` the norm into the one to clip by, as there.
+    The optimizer then divides by :func:`clip_divisor`, ``scale / coef``: one rounding
+    where unscaling and clipping make two, so the gradient it uses is within a float32
+    ulp or so of the clipped one (and equal to it when nothing is clipped and the
+    scale is a power of two).
 
     Returns:
         ``(found, norm, divisor)``: the decision flag, the norm before clipping (what
@@ -199,10 +221,9 @@ def fold_clip(
     Raises:
         InvalidArgumentError: As :func:`unscale_and_clip`, before anything is read.
     """
-    limit = _clip_args(scale, max_norm, reduce)
+    limit = _clip_args(scale, max_norm, reduce, reduce_norm)
     _, found, norm = backend.measure(backend.leaves(grads, writable=False), scale, write=False)
-    if reduce is not None:
-        found = reduce(found)
+    found, norm = _reduced(found, norm, reduce, reduce_norm)
     return found, norm, clip_divisor(backend.namespace(norm), scale, norm, limit)
 
 

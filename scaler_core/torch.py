@@ -29,26 +29,28 @@ Under ``torch.compile`` its methods run eagerly, as PyTorch's do (see
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import inspect
 import math
 import numbers
 from collections import defaultdict
-from typing import Any, TypeVar, cast
+from typing import Any, NamedTuple, TypeVar, cast
 
 import torch
 from torch.amp.grad_scaler import OptState, _refresh_per_optimizer_state
 
 from . import _ops
-from ._config import ScalerConfig
+from ._config import ScalerConfig, shown
 from ._errors import InvalidArgumentError
 from ._f32 import f32, is_normal_f32
 from ._lifecycle import StepReport
 from ._report import LeafReport, non_finite_leaves
-from ._serialize import from_dict, from_torch_state_dict, to_dict, with_torch_entries
+from ._serialize import TORCH_STATE_KEY, load_dict, to_dict
 from ._state import DATA_FIELDS, FLOAT_FIELDS, ScalerState, host_update, init
 from .backends import _torch as _torch_backend
 from .backends._torch import BACKEND as _TORCH
+from .backends._torch import UNSCALED_ON_SKIP as _TORCH_UNSCALED_ON_SKIP
 from .backends._torch import check_for_fused, unscale_buckets
 
 __all__ = ["GradScaler", "ShardedGradScaler"]
@@ -56,9 +58,38 @@ __all__ = ["GradScaler", "ShardedGradScaler"]
 #: The state fields beyond PyTorch's two tensors (``_scale``, ``_growth_tracker``).
 _EXTRA = tuple(name for name in DATA_FIELDS if name not in ("scale", "growth_tracker"))
 #: The key of ``state_dict()`` holding the whole scaler-core state (PyTorch ignores it).
-STATE_KEY = "scaler_core"
+STATE_KEY = TORCH_STATE_KEY
 _TORCH_DEFAULTS = (2.0**16, 2.0, 0.5, 2000)
 _T = TypeVar("_T")
+
+
+class _DefaultGroup:
+    """The default process group, looked up each time it is used (``dist.group.WORLD``
+    once it exists). It pickles by name, so a copied or unpickled scaler still ORs its
+    flags over the default group of the process it lands in."""
+
+    def __repr__(self) -> str:
+        return "WORLD"
+
+    def __reduce__(self) -> str:
+        return "_DEFAULT_GROUP"
+
+
+_DEFAULT_GROUP = _DefaultGroup()
+
+
+class _Group(NamedTuple):
+    """A process group to combine over, as ``torch.distributed`` takes it (``handle``
+    ``None``: the default group)."""
+
+    handle: Any
+
+
+def _world() -> Any:
+    """``dist.group.WORLD`` if a default group exists, else ``None`` (no group to be)."""
+    import torch.distributed as dist  # noqa: PLC0415 - only data-parallel users need it
+
+    return dist.group.WORLD if dist.is_available() and dist.is_initialized() else None
 
 
 def _no_spikes(config: ScalerConfig) -> None:
@@ -210,9 +241,9 @@ class GradScaler(torch.amp.GradScaler):
             return
         if config is None:
             config = ScalerConfig(
-                init_scale=f32(float(init_scale)),
-                growth_factor=float(growth_factor),
-                backoff_factor=float(backoff_factor),
+                init_scale=_f32(init_scale),
+                growth_factor=_float(growth_factor),
+                backoff_factor=_float(backoff_factor),
                 growth_interval=growth_interval,
             )
         _no_spikes(config)
@@ -338,11 +369,17 @@ class GradScaler(torch.amp.GradScaler):
         return cast(dict[str, Any], found)  # PyTorch's annotation; the keys are devices
 
     @staticmethod
+    def _coalesce_half(grad: torch.Tensor) -> torch.Tensor:
+        """A sparse float16 gradient coalesced as ``torch.amp.GradScaler`` does: summed in
+        float16 (:class:`ShardedGradScaler` sums in float32, as PyTorch's does)."""
+        return grad.coalesce()
+
     def _buckets(
-        optimizer: torch.optim.Optimizer, allow_fp16: bool
+        self, optimizer: torch.optim.Optimizer, allow_fp16: bool
     ) -> dict[torch.device, dict[torch.dtype, list[torch.Tensor]]]:
         """The optimizer's gradients (a sparse one's values) by device and dtype, checked
-        as PyTorch checks them; a sparse float16 gradient is coalesced first."""
+        as PyTorch checks them; a sparse float16 gradient is coalesced first
+        (:meth:`_coalesce_half`)."""
         buckets: dict[torch.device, dict[torch.dtype, list[torch.Tensor]]] = defaultdict(
             lambda: defaultdict(list)
         )
@@ -360,7 +397,7 @@ class GradScaler(torch.amp.GradScaler):
                         raise ValueError("Attempting to unscale FP16 gradients.")  # PyTorch's error
                     if grad.is_sparse:
                         if grad.dtype is torch.float16:
-                            param.grad = grad = grad.coalesce()
+                            param.grad = grad = self._coalesce_half(grad)
                         grad = grad._values()
                     buckets[grad.device][grad.dtype].append(grad)
         return buckets
@@ -368,9 +405,11 @@ class GradScaler(torch.amp.GradScaler):
     def _flag_devices(
         self, buckets: dict[torch.device, Any], scale_device: torch.device
     ) -> list[torch.device]:
-        """The devices that get a found flag: the gradients', or (``_FLAG_WITHOUT_GRADS``)
-        the scale's when the optimizer has no gradient here."""
-        if buckets or not self._FLAG_WITHOUT_GRADS:
+        """The devices that get a found flag: the gradients', or the scale's when the
+        optimizer has no gradient here and a flag is still due: with a process group
+        (this rank must join every exchange the others make, in the same order) or
+        ``_FLAG_WITHOUT_GRADS``."""
+        if buckets or not (self._FLAG_WITHOUT_GRADS or self._group() is not None):
             return list(buckets)
         return [scale_device]
 
@@ -394,20 +433,75 @@ class GradScaler(torch.amp.GradScaler):
         recorded by an earlier ``update`` (a collapse that could not raise there):
         after it no step may move a parameter until the user deals with it (loads a
         checkpoint); ORed on the device, with no synchronisation. Then the flags of
-        the other ranks of the process group: one all-reduce (max) per device.
+        the other ranks of the process group: exactly one all-reduce (max) per call,
+        whatever this rank holds (every rank's call gets a flag, see
+        :meth:`_flag_devices`), so the ranks' exchanges pair up in order.
         """
-        if not self._host_route():  # the host route raises a failure, never records one
+        if self._scale is not None and not self._host_route():
             failed = cast(dict[str, torch.Tensor], self._extra)["failure"] != 0
             for device, flag in found.items():
                 held = failed.to(device, dtype=flag.dtype, non_blocking=True)
                 torch.maximum(flag, held, out=flag)
-        if self._process_group is None:
+        group = self._group()
+        if group is None:
             return
         import torch.distributed as dist  # noqa: PLC0415 - only data-parallel users need it
 
-        group = None if self._process_group is _DEFAULT_GROUP else self._process_group
-        for flag in found.values():
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+        flags = list(found.values())
+        if len(flags) == 1:
+            dist.all_reduce(flags[0], op=dist.ReduceOp.MAX, group=group.handle)
+            return
+        home = flags[0].device
+        one = torch.stack([f.to(home, torch.float32, non_blocking=True) for f in flags]).amax()
+        dist.all_reduce(one, op=dist.ReduceOp.MAX, group=group.handle)
+        for flag in flags:
+            flag.copy_(one.to(flag.device, non_blocking=True))
+
+    def _group(self) -> _Group | None:
+        """The process group the ranks' flags and clip norms are combined over, if any."""
+        given = self._process_group
+        if given is None:
+            return None
+        return _Group(None if given is _DEFAULT_GROUP else given)
+
+    def _global_norm(self, norm: torch.Tensor, norm_type: float) -> torch.Tensor:
+        """``norm`` (of this rank's gradients) as the norm over every rank's, the same on
+        each: their maximum for ``inf``, else ``(sum of norm**p) ** (1/p)``, as
+        ``FullyShardedDataParallel.clip_grad_norm_`` combines its shards' (the powers
+        summed in float64). Unchanged without a process group."""
+        group = self._group()
+        if group is None:
+            return norm
+        import torch.distributed as dist  # noqa: PLC0415 - only data-parallel users need it
+
+        if math.isinf(norm_type):
+            total = norm.clone()
+            dist.all_reduce(total, op=dist.ReduceOp.MAX, group=group.handle)
+            return total
+        powers = norm.double() ** norm_type
+        dist.all_reduce(powers, op=dist.ReduceOp.SUM, group=group.handle)
+        return (powers ** (1.0 / norm_type)).to(norm.dtype)
+
+    def _check_shards(self, params: list[torch.Tensor]) -> None:
+        """Refuse, before anything changes, a clip whose norm over the group would be
+        wrong: see :meth:`unscale_and_clip_`. Every rank runs the same checks on the
+        same parameters, so they refuse alike (none is left waiting in a collective)."""
+        if self._group() is None:
+            return
+        dtensor = _torch_backend.dtensor_type()
+        for i, param in enumerate(params):
+            if dtensor is not None and isinstance(param.grad, dtensor):
+                raise InvalidArgumentError(
+                    f"parameter {i} has a DTensor gradient (FSDP2), whose norm is global over "
+                    f"its mesh already, but this scaler's process_group would sum it over the "
+                    f"ranks again; build the scaler without process_group under FSDP2 (its "
+                    f"DTensor gradients combine the flags and norms themselves)"
+                )
+            self._check_shard(i, param)
+
+    def _check_shard(self, index: int, param: torch.Tensor) -> None:
+        """A parameter's gradient may be clipped by the norm over the group: any, for a
+        group of ZeRO-style shards (:class:`ShardedGradScaler` checks FSDP's layout)."""
 
     def _maybe_opt_step(
         self,
@@ -508,13 +602,27 @@ class GradScaler(torch.amp.GradScaler):
 
         Returns the total norm of the unscaled gradients, as ``clip_grad_norm_`` does,
         and records the optimizer's found flag as ``unscale_`` does (so ``step`` skips
-        as usual). On CPU it reads the gradients once and, unless the step will be
-        skipped, writes them once (clipped with ``clip_grad_norm_``'s coefficient);
-        on a skipped step it writes nothing. On an accelerator (and for sparse or
-        DTensor gradients) it is ``unscale_``, the norm and one multiply, with no host
-        synchronisation. A sparse gradient is clipped as its coalesced sum, and
-        ``param.grad`` then holds the coalesced tensor; under FSDP2 the norm is the
-        global one over all shards, the same on every rank.
+        as usual). On CPU it reads the gradients once and writes them once (clipped
+        with ``clip_grad_norm_``'s coefficient; on a skipped step unscaled and not
+        clipped, as ``unscale_`` leaves them, which is what every route leaves). On an
+        accelerator (and for sparse or DTensor gradients) it is ``unscale_``, the norm
+        and one multiply, with no host synchronisation. A sparse gradient is clipped as
+        its coalesced sum, and ``param.grad`` then holds the coalesced tensor; under
+        FSDP2 the norm is the global one over all shards, the same on every rank.
+
+        With a process group (``process_group=``, and always for
+        :class:`ShardedGradScaler`) each rank's optimizer holds its own shard of the
+        gradients, so the norm clipped by is the one over the group, the same on every
+        rank: each rank's norm ``n_r`` combined as ``(sum of n_r**p) ** (1/p)`` (the
+        largest for ``inf``), as ``FullyShardedDataParallel.clip_grad_norm_`` combines
+        its shards', with one more all-reduce. Refused before anything changes where
+        that would count a gradient twice: DTensor gradients (FSDP2 combines them
+        itself: build the scaler without a group), and, for
+        :class:`ShardedGradScaler`, a parameter FSDP does not manage or a flat
+        parameter not sharded over exactly the group's ranks (``NO_SHARD``,
+        ``HYBRID_SHARD``: use the FSDP module's own ``clip_grad_norm_``). Every rank
+        checks the same parameters, so they refuse alike. Other arguments than the
+        defaults need PyTorch >= 2.6 with a group (``clip_grads_with_norm_``).
 
         The norm's squares are summed in float64 and rounded once (within one float32
         ulp of the exact norm); ``clip_grad_norm_`` takes each tensor's norm in the
@@ -528,10 +636,12 @@ class GradScaler(torch.amp.GradScaler):
             RuntimeError: As ``unscale_``: called twice for the optimizer in a step, or
                 after ``step``. As ``clip_grad_norm_``: ``error_if_nonfinite`` and the
                 total norm is NaN or inf (the gradients are unscaled by then, as in
-                PyTorch's recipe).
+                PyTorch's recipe; with a group, on every rank alike).
             InvalidArgumentError: ``max_norm`` is not a positive finite number,
-                ``norm_type`` is not a positive number (``inf`` included), or a tensor
-                of ``parameters`` is not one of the optimizer's; before anything changes.
+                ``norm_type`` is not a positive number (``inf`` included), a tensor of
+                ``parameters`` is not one of the optimizer's, or (with a process group)
+                a gradient the norm over the group would count twice; before anything
+                changes.
         """
         params = [p for group in optimizer.param_groups for p in group["params"]]
         chosen = params if parameters is None else _subset(parameters, params)
@@ -543,16 +653,29 @@ class GradScaler(torch.amp.GradScaler):
         everything = parameters is None or {id(p) for p in chosen} == {id(p) for p in params}
         if p_norm != _L2 or error_if_nonfinite or not everything:
             _ops.max_norm_of(max_norm)  # checked before anything changes, as below
-            self.unscale_(optimizer)
-            self._norm = torch.nn.utils.clip_grad_norm_(
-                chosen, max_norm, p_norm, error_if_nonfinite, foreach
+            if self._group() is None:
+                self.unscale_(optimizer)
+                self._norm = torch.nn.utils.clip_grad_norm_(
+                    chosen, max_norm, p_norm, error_if_nonfinite, foreach
+                )
+                return self._norm
+            self._norm = self._clip_over_group(
+                optimizer, chosen, max_norm, p_norm, error_if_nonfinite, foreach
             )
             return self._norm
         _scale, optimizer_state = self._ready(optimizer)
         buckets = self._buckets(optimizer, self._ALLOW_FP16)  # PyTorch's checks, nothing changed
+        self._check_shards(params)
         owners = [p for p in params if p.grad is not None]
         grads = [p.grad for p in owners]
-        grads, found, norm = _ops.unscale_and_clip(_TORCH, grads, _scale, max_norm, self._decide)
+        grads, found, norm = _ops.unscale_and_clip(
+            _TORCH_UNSCALED_ON_SKIP,
+            grads,
+            _scale,
+            max_norm,
+            self._decide,
+            reduce_norm=self._global_l2,
+        )
         for param, grad in zip(owners, grads, strict=True):
             if grad is not param.grad:  # a sparse gradient, coalesced
                 param.grad = grad
@@ -594,7 +717,9 @@ class GradScaler(torch.amp.GradScaler):
         gives the measured bound); with nothing clipped and a power-of-two scale it
         is the recipe bit for bit. Afterwards ``.grad`` holds what the optimizer
         used (PyTorch's fused kernels write the unscaled gradient back), unscaled
-        and clipped; on a skipped step it keeps its scaled values.
+        and clipped; on a skipped step it keeps its scaled values. With a process
+        group the norm is the one over the group, refused where it would count a
+        gradient twice, as for :meth:`unscale_and_clip_`.
 
         Any other optimizer or clip: exactly :meth:`unscale_and_clip_`, then
         :meth:`step` (the gradients are left unscaled and clipped, or unscaled on
@@ -621,8 +746,12 @@ class GradScaler(torch.amp.GradScaler):
         _ops.max_norm_of(max_norm)  # checked before anything changes
         scale, optimizer_state = self._ready(optimizer)
         buckets = self._buckets(optimizer, True)  # as PyTorch's step checks for a fused one
-        grads = [p.grad for group in optimizer.param_groups for p in group["params"]]
-        found, norm, divisor = _ops.fold_clip(_TORCH, grads, scale, max_norm, self._decide)
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        self._check_shards(params)
+        grads = [p.grad for p in params]
+        found, norm, divisor = _ops.fold_clip(
+            _TORCH, grads, scale, max_norm, self._decide, reduce_norm=self._global_l2
+        )
         per_device = {
             dev: found.to(dev, torch.float32, non_blocking=True)
             for dev in self._flag_devices(buckets, scale.device)
@@ -664,6 +793,46 @@ class GradScaler(torch.amp.GradScaler):
             raise RuntimeError("unscale_() is being called after step().")  # PyTorch's error
         return scale, optimizer_state
 
+    def _global_l2(self, norm: torch.Tensor) -> torch.Tensor:
+        """The clip's L2 norm over the process group (see :meth:`_global_norm`)."""
+        return self._global_norm(norm, _L2)
+
+    def _clip_over_group(
+        self,
+        optimizer: torch.optim.Optimizer,
+        chosen: list[torch.Tensor],
+        max_norm: float,
+        norm_type: float,
+        error_if_nonfinite: bool,
+        foreach: bool | None,
+    ) -> torch.Tensor:
+        """PyTorch's recipe (``unscale_``, then the clip) with the norm over the process
+        group, as ``FullyShardedDataParallel.clip_grad_norm_`` forms it: every rank's
+        norm of its gradients combined (:meth:`_global_norm`), the same on each rank,
+        then ``clip_grads_with_norm_``; ``error_if_nonfinite`` tested on that norm, so
+        every rank raises alike."""
+        clip_with_norm = getattr(torch.nn.utils, "clip_grads_with_norm_", None)
+        if clip_with_norm is None:  # PyTorch < 2.6
+            raise InvalidArgumentError(
+                f"norm_type={norm_type!r}, error_if_nonfinite={error_if_nonfinite!r} or "
+                f"parameters= with a process group needs torch.nn.utils.clip_grads_with_norm_ "
+                f"(PyTorch >= 2.6; this is {torch.__version__}); use the defaults (the L2 "
+                f"norm over all parameters), or upgrade PyTorch"
+            )
+        self._check_shards([p for group in optimizer.param_groups for p in group["params"]])
+        self.unscale_(optimizer)
+        grads = [p.grad for p in chosen if p.grad is not None]
+        local = torch.nn.utils.get_total_norm(grads, norm_type, False, foreach)
+        total = self._global_norm(local.to(self._scale.device), norm_type)  # type: ignore[union-attr]
+        if error_if_nonfinite and not bool(torch.isfinite(total)):
+            raise RuntimeError(  # PyTorch's error (clip_grad_norm_)
+                f"The total norm of order {norm_type} for gradients from `parameters` is "
+                f"non-finite, so it cannot be clipped. To disable this error and scale the "
+                f"gradients by the non-finite norm anyway, set `error_if_nonfinite=False`"
+            )
+        clip_with_norm(chosen, max_norm, total, foreach)
+        return total
+
     def _decide(self, flag: torch.Tensor) -> torch.Tensor:
         """A measured flag as the step's decision (see :meth:`_reduce`), a bool tensor."""
         found = {flag.device: flag.float()}
@@ -672,7 +841,9 @@ class GradScaler(torch.amp.GradScaler):
 
     @property
     def grad_norm(self) -> torch.Tensor | None:
-        """The norm the last :meth:`unscale_and_clip_` returned (kept until the next one)."""
+        """The norm this step's :meth:`unscale_and_clip_` or :meth:`clip_and_step` returned:
+        ``None`` before either is called in a step, and again after :meth:`update`
+        (which hands it to ``on_step``'s report)."""
         return self._norm
 
     # ------------------------------------------------------------------ update
@@ -681,8 +852,12 @@ class GradScaler(torch.amp.GradScaler):
 
         Without ``new_scale``: the step's found flags (OR-ed over the optimizers) drive
         the config's rules, as PyTorch's kernel drives its own. With ``new_scale``: the
-        scale is set to it and nothing else changes (PyTorch's growth tracker stays;
-        so do this class's counters and ``last_kind``, since no rule ran). It takes what
+        scale is set to it and no rule of the config runs (PyTorch's growth tracker
+        stays, and so do the hysteresis tracker and the spike statistics); a step that
+        was checked is still counted (``steps``, ``skipped_steps``,
+        ``consecutive_skips``; ``last_kind`` is ``STATIC_CLEAN`` or ``STATIC_SKIP``, as
+        for a static scale, which is what a loop passing its scale each step runs),
+        and ``max_consecutive_skips`` still applies. It takes what
         PyTorch's takes (a float; a one-element tensor of any dtype on the scaler's
         device type, without grad), and any other real number (an ``int``, a NumPy
         float32), checked as the float32 value the scale would hold before anything
@@ -714,13 +889,24 @@ class GradScaler(torch.amp.GradScaler):
         if new_scale is not None:
             value = self._new_scale(new_scale)  # checked before anything changes
             flag = self._step_flag(found_infs, _scale)
-            current = self._host_state() if self._host_route() else None
-            super().update(value)
-            if current is None:
-                new = self._device_state()
-            else:
-                new = dataclasses.replace(current, scale=cast(float, _scale.item()))
+            if self._host_route():
+                current = self._host_state()
+                # The step is counted (a skip limit may refuse it) before anything changes.
+                counted = host_update(_counting(current), flag) if found_infs else current
+                super().update(value)
+                new = dataclasses.replace(
+                    counted, config=current.config, scale=cast(float, _scale.item())
+                )
+                self._write(current, new, skip=("scale",))
                 self._mirror = new
+            else:
+                if found_infs:  # counted on the device; a refused step is recorded there
+                    counted = _TORCH.update(_counting(self._device_state()), flag)
+                    for name in DATA_FIELDS:
+                        if name != "scale":
+                            self._field(name).copy_(getattr(counted, name))
+                super().update(value)
+                new = self._device_state()
             self._end_step(new, flag)
             return
         if len(found_infs) == 0:
@@ -729,16 +915,20 @@ class GradScaler(torch.amp.GradScaler):
         if self._host_route():  # host values cost nothing to read here
             current = self._host_state()
             new = host_update(current, flag)
-            for name in DATA_FIELDS:
-                value = getattr(new, name)
-                if value != getattr(current, name):
-                    self._field(name).fill_(value)
+            self._write(current, new)
             self._mirror = new
         else:
             new = _TORCH.update(self._device_state(), flag)  # the core's, on the scale's device
             for name in DATA_FIELDS:
                 self._field(name).copy_(getattr(new, name))
         self._end_step(new, flag)
+
+    def _write(self, old: ScalerState, new: ScalerState, skip: tuple[str, ...] = ()) -> None:
+        """Fill the tensors of the fields (but ``skip``) whose value changed from ``old``."""
+        for name in DATA_FIELDS:
+            value = getattr(new, name)
+            if name not in skip and value != getattr(old, name):
+                self._field(name).fill_(value)
 
     def _host_route(self) -> bool:
         """Whether the scale lives on the CPU, where its values are read and the rules
@@ -806,27 +996,27 @@ class GradScaler(torch.amp.GradScaler):
             held = f32(fill) if math.isfinite(fill) else fill
         else:
             raise InvalidArgumentError(
-                f"new_scale={new_scale!r}, but it must be a float, an int or a one-element "
+                f"new_scale={shown(new_scale)}, but it must be a float, an int or a one-element "
                 f"tensor holding a positive, finite, normal float32 value; pass a float such "
                 f"as 1024.0"
             )
         exact = not isinstance(new_scale, torch.Tensor) and held == new_scale
-        shown = repr(new_scale) if exact else f"{new_scale!r} (float32: {held!r})"
+        seen = shown(new_scale) if exact else f"{shown(new_scale)} (float32: {held!r})"
         if not is_normal_f32(held):
             raise InvalidArgumentError(
-                f"new_scale={shown}, but it must be a positive, finite, normal float32 "
+                f"new_scale={seen}, but it must be a positive, finite, normal float32 "
                 f"value (as every scale); pass a float such as 1024.0"
             )
         config = self._enabled_config()
         low, high = config.min_scale, config.max_scale
         if (low is not None and held < low) or (high is not None and held > high):
             raise InvalidArgumentError(
-                f"new_scale={shown}, but it must lie within this scaler's config bounds "
+                f"new_scale={seen}, but it must lie within this scaler's config bounds "
                 f"[min_scale={low!r}, max_scale={high!r}]; pass a scale in that range"
             )
         if not config.dynamic and held != config.init_scale:
             raise InvalidArgumentError(
-                f"new_scale={shown}, but this scaler's config is static (its scale stays "
+                f"new_scale={seen}, but this scaler's config is static (its scale stays "
                 f"init_scale={config.init_scale!r}); pass {config.init_scale!r}, or use a "
                 f"dynamic config"
             )
@@ -856,13 +1046,13 @@ class GradScaler(torch.amp.GradScaler):
     def set_growth_factor(self, new_factor: float) -> None:
         """As PyTorch's; validated (a factor must stay above 1)."""
         if self._enabled:
-            self._set_config(growth_factor=float(new_factor))
+            self._set_config(growth_factor=_float(new_factor))
         super().set_growth_factor(new_factor)
 
     def set_backoff_factor(self, new_factor: float) -> None:
         """As PyTorch's; validated (a factor must stay in (0, 1))."""
         if self._enabled:
-            self._set_config(backoff_factor=float(new_factor))
+            self._set_config(backoff_factor=_float(new_factor))
         super().set_backoff_factor(new_factor)
 
     def set_growth_interval(self, new_interval: int) -> None:
@@ -910,13 +1100,10 @@ class GradScaler(torch.amp.GradScaler):
                 "The source state dict is empty, possibly because it was saved "
                 "from a disabled instance of GradScaler."
             )
-        payload = state_dict.get(STATE_KEY)
-        if payload is not None:  # PyTorch's five entries win; the payload gives the rest
-            entries = {key: value for key, value in state_dict.items() if key != STATE_KEY}
-            loaded = with_torch_entries(from_dict(payload), entries)
-        else:  # PyTorch's five keys; the other knobs stay this scaler's
-            loaded = from_torch_state_dict(dict(state_dict), self._enabled_config())
-        self._apply(loaded)
+        # This class's dict: PyTorch's five entries win, the payload gives the rest;
+        # PyTorch's: the other knobs stay this scaler's; a scaler-core checkpoint (the
+        # facade's state_dict(), to_dict): its config and state.
+        self._apply(load_dict(state_dict, self._enabled_config()))
 
     def _apply(self, state: ScalerState) -> None:
         _no_spikes(state.config)
@@ -939,16 +1126,28 @@ class GradScaler(torch.amp.GradScaler):
             out["_init_scale"] = out["_start"].scale
             out["_extra"] = None
         out["_mirror"] = None
-        out["_process_group"] = None  # a process group cannot be pickled: pass it again
+        if out["_process_group"] is not None and out["_process_group"] is _world():
+            # The live default group, kept as "the default group" (looked up where the copy
+            # is used). Any other group is kept as it is: a deep copy shares it (see
+            # __deepcopy__), and pickle refuses it as it refuses PyTorch's (TypeError).
+            out["_process_group"] = _DEFAULT_GROUP
         out["_stepped"], out["_taken"] = {}, set()
         out["_on_step"] = None  # a callback may be a closure or lambda: pass it again
         out["_leaves"], out["_norm"] = [], None
         return out
 
-
-#: ``process_group`` of :class:`ShardedGradScaler` by default: the default group, looked
-#: up at each step (as ``dist.group.WORLD`` would be once the group exists).
-_DEFAULT_GROUP: Any = type("_DefaultGroup", (), {"__repr__": lambda self: "WORLD"})()
+    def __deepcopy__(self, memo: dict[int, Any]) -> GradScaler:
+        """A copy that combines its flags over the same process group: the group (a live
+        communicator, which cannot be copied) is shared; everything else is copied as
+        pickling would copy it."""
+        state = self.__getstate__()
+        group = state["_process_group"]
+        if group is not None:
+            memo[id(group)] = group
+        new = type(self).__new__(type(self))
+        memo[id(self)] = new
+        new.__setstate__(copy.deepcopy(state, memo))
+        return new
 
 
 class ShardedGradScaler(GradScaler):
@@ -958,13 +1157,17 @@ class ShardedGradScaler(GradScaler):
     Its positional order is PyTorch's ``ShardedGradScaler``'s, which differs from
     ``GradScaler``'s: ``(device, init_scale, backoff_factor, growth_factor,
     growth_interval, enabled, process_group)``. The found flags are ORed over
-    ``process_group`` (by default the default group, looked up at each step, as
-    PyTorch's uses it); float16 gradients (FSDP's ``keep_low_precision_grads``) are
-    unscaled; an optimizer with no gradient on this rank (FSDP1 with
+    ``process_group`` (``None``, the default, means the default group, looked up at
+    each step, as PyTorch's uses it; a copy or an unpickled scaler keeps it, and
+    ``scaler.process_group`` holds it, as on PyTorch's); float16 gradients (FSDP's
+    ``keep_low_precision_grads``) are unscaled, a sparse one coalesced in float32 first
+    (as PyTorch's does); an optimizer with no gradient on this rank (FSDP1 with
     ``use_orig_params=True`` may leave a rank none of its parameters' shards) gets a
     flag on the scale's device, steps and joins the all-reduce; ``scale`` returns the
-    scaled loss in the loss's own dtype, as PyTorch's does. Everything else (failing
-    closed, ``unscale_and_clip_``, ``on_step``, ``config=``) is :class:`GradScaler`'s.
+    scaled loss in the loss's own dtype, as PyTorch's does. :meth:`unscale_and_clip_`
+    and :meth:`clip_and_step` clip by the norm over the group, as
+    ``FullyShardedDataParallel.clip_grad_norm_`` does (see there). Everything else
+    (failing closed, ``on_step``, ``config=``) is :class:`GradScaler`'s.
 
     >>> scaler = ShardedGradScaler("cpu", 2.0**10, 0.25)  # backoff_factor third
     >>> scaler.get_backoff_factor()
@@ -982,7 +1185,7 @@ class ShardedGradScaler(GradScaler):
         growth_factor: float = 2.0,
         growth_interval: int = 2000,
         enabled: bool = True,
-        process_group: Any = _DEFAULT_GROUP,
+        process_group: Any = None,
         *,
         config: ScalerConfig | None = None,
         on_step: Any = None,
@@ -1001,6 +1204,53 @@ class ShardedGradScaler(GradScaler):
             report_leaves=report_leaves,
         )
 
+    @property
+    def process_group(self) -> Any:
+        """As PyTorch's: the group the flags are ORed over (``None``: the default group)."""
+        given = self._process_group
+        return _world() if given is _DEFAULT_GROUP else given
+
+    @process_group.setter
+    def process_group(self, group: Any) -> None:
+        self._process_group = group
+
+    def _group(self) -> _Group:
+        given = self._process_group
+        return _Group(None if given is None or given is _DEFAULT_GROUP else given)
+
+    @staticmethod
+    def _coalesce_half(grad: torch.Tensor) -> torch.Tensor:
+        """Summed in float32, then float16 again, as PyTorch's class coalesces: a sum of
+        many float16 duplicates would stop growing at 2048 (float16's spacing there is 2)."""
+        return grad.type(torch.float32).coalesce().type(torch.float16)
+
+    def _check_shard(self, index: int, param: torch.Tensor) -> None:
+        """FSDP's shards only, each laid out over exactly the group's ranks: then every
+        element is held by one rank, and the sum over the group counts it once."""
+        if not getattr(param, "_fsdp_flattened", False):
+            raise InvalidArgumentError(
+                f"parameter {index} (shape {tuple(param.shape)}) is not one FSDP manages, but "
+                f"ShardedGradScaler clips by the norm over its process group, which counts "
+                f"each rank's FSDP shard once (a parameter each rank holds whole would count "
+                f"once per rank); give the optimizer the FSDP module's parameters only, or "
+                f"call scaler.unscale_(optimizer) and the module's own clip_grad_norm_"
+            )
+        padded = getattr(param, "_padded_unsharded_size", None)
+        shard = getattr(param, "_sharded_size", None)
+        if padded is None or shard is None or not shard.numel():
+            return  # an original parameter (use_orig_params=True): FSDP's view of a shard
+        import torch.distributed as dist  # noqa: PLC0415 - only data-parallel users need it
+
+        ranks = dist.get_world_size(self._group().handle)
+        if padded.numel() != shard.numel() * ranks:
+            raise InvalidArgumentError(
+                f"parameter {index} is FSDP's flat parameter sharded over "
+                f"{padded.numel() // shard.numel()} rank(s) (NO_SHARD or HYBRID_SHARD), but "
+                f"this scaler's process group has {ranks}, so the norm summed over it would "
+                f"count the replicas again; call scaler.unscale_(optimizer) and the FSDP "
+                f"module's own clip_grad_norm_, which knows its sharding"
+            )
+
     def scale(self, outputs: Any) -> Any:
         """``outputs`` times the scale, each in its own dtype (as PyTorch's class returns
         it: a float16 loss stays float16)."""
@@ -1018,6 +1268,28 @@ class ShardedGradScaler(GradScaler):
 
         given = list(outputs) if not isinstance(outputs, (list, tuple)) else outputs
         return cast(super().scale(given), given)
+
+
+def _float(value: Any) -> Any:
+    """``float(value)``, or ``value`` itself where no float holds it (an int past float's
+    range): then the config's check names it, rather than a raw ``OverflowError``."""
+    try:
+        return float(value)
+    except OverflowError:
+        return value
+
+
+def _f32(value: Any) -> Any:
+    """``value`` rounded to float32, as PyTorch stores a scale (see :func:`_float`)."""
+    wide = _float(value)
+    return f32(wide) if isinstance(wide, float) else wide
+
+
+def _counting(state: ScalerState) -> ScalerState:
+    """``state`` under its config made static: its transition counts a step (``steps``,
+    ``skipped_steps``, ``consecutive_skips``, ``last_kind``, the skip limit) and changes
+    nothing else. What ``update(new_scale)`` applies, since the scale is set by hand."""
+    return dataclasses.replace(state, config=dataclasses.replace(state.config, dynamic=False))
 
 
 def _takes_grad_scale(optimizer: torch.optim.Optimizer) -> bool:

@@ -58,7 +58,8 @@ def test_it_trains_as_unscale_then_clip_grad_norm() -> None:
     assert all(r.grad_norm is not None for r in reports)
 
 
-def test_a_skipped_step_leaves_the_gradients_alone() -> None:
+def test_a_skipped_step_leaves_the_gradients_unscaled_and_unclipped() -> None:
+    """As ``unscale_`` leaves them (on every device; the CPU used to leave them scaled)."""
     param = torch.nn.Parameter(torch.zeros(4))
     opt = torch.optim.SGD([param], lr=1.0)
     scaler = GradScaler("cpu", init_scale=8.0)
@@ -67,7 +68,7 @@ def test_a_skipped_step_leaves_the_gradients_alone() -> None:
     before = param.grad.clone()
     norm = scaler.unscale_and_clip_(opt, 1.0)
     assert not math.isfinite(norm.item())
-    assert torch.equal(param.grad, before)
+    assert torch.equal(param.grad, before * 0.125)
     with pytest.raises(RuntimeError, match="already been called"):
         scaler.unscale_and_clip_(opt, 1.0)
     scaler.step(opt)

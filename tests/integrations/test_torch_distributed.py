@@ -155,3 +155,100 @@ def test_fsdp1_a_rank_without_an_optimizers_gradients_steps_as_with_pytorchs(
     backoffs = [s for s in range(1, 8) if ours[0]["scales"][s] < ours[0]["scales"][s - 1]]
     assert backoffs == [2, 5]  # rank 1's infs, on rank 0 too
     assert ours[0]["scales"] == ours[1]["scales"]
+
+
+# ------------------------------------------------------ the process-group seams
+def test_sharded_grad_scaler_clips_by_the_norm_over_the_group_as_fsdp(torch_ranks: Any) -> None:
+    """FSDP1: ``unscale_and_clip_`` clips every rank by the norm over all the shards, as
+    PyTorch's ShardedGradScaler with FSDP's ``clip_grad_norm_`` does. (It used to clip
+    each rank by its own shard's norm: two different norms, and ranks that part ways.)
+
+    With float16 gradients FSDP returns its norm rounded to float16 and multiplies by
+    its coefficient rounded to float16; scaler-core multiplies in float32 by
+    ``clip_grad_norm_``'s coefficient and rounds once. So the norms agree to float16's
+    precision and the parameters to a float16 ulp or so; the skips and scales exactly.
+    (``clip_and_step``'s test below compares float32 norms to float32 precision.)"""
+    ours = torch_ranks("fsdp1_clip.py", "ours")
+    want = torch_ranks("fsdp1_clip.py", "torch")
+    np.testing.assert_array_equal(ours[0]["norms"], ours[1]["norms"])  # one norm, every rank
+    for rank in range(2):
+        assert ours[rank]["scales"] == want[rank]["scales"]
+        assert ours[rank]["stepped"] == want[rank]["stepped"]
+        assert [not s for s in ours[rank]["stepped"]] == [s in {4, 9} for s in range(12)]
+        for step, (a, b) in enumerate(zip(ours[rank]["norms"], want[rank]["norms"], strict=True)):
+            if step in {4, 9}:
+                assert math.isinf(a) or math.isnan(a)
+                continue
+            assert a > 0.25  # the clip is active (MAX_NORM)
+            assert a == pytest.approx(b, rel=2.0**-11), step  # FSDP's is a float16
+        for p, q in zip(ours[rank]["params"], want[rank]["params"], strict=True):
+            torch.testing.assert_close(p, q, rtol=2.0**-10, atol=2.0**-14)
+
+
+def test_sharded_clip_and_step_folds_the_norm_over_the_group(torch_ranks: Any) -> None:
+    """FSDP1 with a fused Adam: ``clip_and_step`` divides by the norm over the group,
+    FSDP's own norm of the same gradients, the same on both ranks."""
+    runs = torch_ranks("fsdp1_clip.py", "ours-fold")
+    np.testing.assert_array_equal(runs[0]["norms"], runs[1]["norms"])  # NaN on skipped steps
+    for run in runs:
+        assert [not s for s in run["stepped"]] == [s in {4, 9} for s in range(12)]
+        for step, (ours, fsdp) in enumerate(zip(run["norms"], run["fsdp"], strict=True)):
+            if step not in {4, 9}:
+                assert ours == pytest.approx(fsdp, rel=2e-7), step
+
+
+def test_sharded_clip_refuses_a_parameter_fsdp_does_not_shard(torch_ranks: Any) -> None:
+    """A parameter each rank holds whole would be counted once per rank: refused on
+    every rank alike (none is left in a collective), before anything changes."""
+    for run in torch_ranks("fsdp1_clip.py", "ours-replicated"):
+        assert "is not one FSDP manages" in run["refused"]
+        assert run["untouched"]
+
+
+@pytest.mark.parametrize("how", ["none", "deepcopy", "pickle"])
+def test_sharded_grad_scaler_ors_over_the_default_group_as_pytorchs(
+    torch_ranks: Any, how: str
+) -> None:
+    """``process_group=None`` is the default group, as in PyTorch's class, and a scaler
+    copied or unpickled keeps ORing over it: rank 1's infs skip rank 0 too, bit for bit
+    as PyTorch's ShardedGradScaler. (``None`` used to mean no group, and a copy dropped
+    the group: the ranks parted ways.)"""
+    ours = torch_ranks("groups.py", f"{how}-ours")
+    want = torch_ranks("groups.py", f"{how}-torch")
+    for rank in range(2):
+        assert [not s for s in want[rank]["stepped"]] == [s in {2, 5} for s in range(8)]
+        assert ours[rank]["stepped"] == want[rank]["stepped"]
+        assert ours[rank]["scales"] == want[rank]["scales"]
+        assert ours[rank]["group"] == want[rank]["group"] == "None"  # its process_group
+        for p, q in zip(ours[rank]["params"], want[rank]["params"], strict=True):
+            assert torch.equal(p, q)
+
+
+def test_sharded_grad_scaler_sums_float16_sparse_duplicates_in_float32(torch_ranks: Any) -> None:
+    """A row looked up 3,510 times: PyTorch's class sums its float16 duplicates in
+    float32 (7020 scaled, 27.42 unscaled); summed in float16 they stopped at 4096 (16
+    unscaled)."""
+    ours = torch_ranks("groups.py", "sparse-ours")
+    want = torch_ranks("groups.py", "sparse-torch")
+    for rank in range(2):
+        assert torch.equal(ours[rank]["grad"], want[rank]["grad"])
+        assert float(want[rank]["grad"][0, 0]) == 3510 * 2.0**-7
+        assert torch.equal(ours[rank]["params"][0], want[rank]["params"][0])
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "plain"])
+def test_a_rank_without_an_optimizers_gradients_joins_every_exchange(
+    torch_ranks: Any, fused: bool
+) -> None:
+    """``GradScaler(process_group=...)``: rank 0 holds no gradient of the first optimizer.
+    It still takes part in that optimizer's exchange of flags, in order, so rank 1's
+    infs skip it on both ranks and the scales agree. (Rank 0 used to make no exchange
+    there: the ranks' exchanges paired up out of order, rank 1 stepped what rank 0
+    skipped, then gloo failed.)"""
+    runs = torch_ranks("groups.py", f"idle-{'fused' if fused else 'plain'}-ours")
+    assert runs[0]["scales"] == runs[1]["scales"]
+    assert runs[0]["stepped"] == runs[1]["stepped"]
+    assert [first for first, _ in runs[0]["stepped"]] == [s not in {2, 5} for s in range(8)]
+    assert all(second for _, second in runs[0]["stepped"])
+    backoffs = [s for s in range(1, 8) if runs[0]["scales"][s] < runs[0]["scales"][s - 1]]
+    assert backoffs == [2, 5]

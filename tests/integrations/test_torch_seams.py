@@ -537,3 +537,113 @@ def test_after_a_recorded_failure_no_step_moves_a_parameter(device_route: None, 
     iteration(bad=False)
     assert scaler.stepped(opt)
     assert any(not torch.equal(a, b) for a, b in zip(_bits(model), before, strict=True))
+
+
+# ------------------------------------------------------------ round 3's seams
+def test_a_static_scale_set_every_step_still_counts_the_steps_and_skips() -> None:
+    """mmengine's ``loss_scale=512.0`` calls ``update(512.0)`` every step: the state
+    counts each step and each skip (it used to stay at 0), and the scale and PyTorch's
+    growth tracker are what PyTorch's class gives."""
+    model, opt = _model()
+    ours, theirs = GradScaler("cpu", init_scale=512.0), torch.amp.GradScaler("cpu", 512.0)
+    for scaler in (ours, theirs):
+        for step in range(7):
+            opt.zero_grad()
+            scaler.scale(model(torch.ones(3, 4)).pow(2).sum()).backward()
+            if step in (1, 4, 5):
+                model.weight.grad[0, 0] = float("inf")
+            scaler.step(opt)
+            scaler.update(512.0)
+    state = ours.state
+    assert (state.steps, state.skipped_steps, state.consecutive_skips) == (7, 3, 0)
+    assert state.last_step is sc.StepKind.STATIC_CLEAN
+    assert ours.get_scale() == theirs.get_scale() == 512.0
+    assert ours._get_growth_tracker() == theirs._get_growth_tracker()
+    ours.load_state_dict(ours.state_dict())
+    assert ours.state == state
+
+
+def test_a_new_scale_keeps_the_skip_limit_and_refuses_before_anything_changes() -> None:
+    model, opt = _model()
+    scaler = GradScaler("cpu", config=sc.ScalerConfig(init_scale=512.0, max_consecutive_skips=1))
+    for step in range(2):
+        opt.zero_grad()
+        scaler.scale(model(torch.ones(3, 4)).pow(2).sum()).backward()
+        model.weight.grad[0, 0] = float("inf")
+        scaler.step(opt)
+        if step == 0:
+            scaler.update(256.0)
+    before = scaler.state
+    with pytest.raises(sc.SkipLimitError):
+        scaler.update(128.0)
+    assert scaler.state == before
+    assert scaler.get_scale() == 256.0
+
+
+def test_pytorchs_unscale_grads_works_on_a_fresh_scaler() -> None:
+    """PyTorch's own ``test_grad_scaling_unscale`` calls ``_unscale_grads_`` before any
+    ``scale()``: it unscales and flags as PyTorch's class does (it raised AttributeError)."""
+    results = []
+    for cls in (GradScaler, torch.amp.GradScaler):
+        torch.manual_seed(0)
+        params = [torch.nn.Parameter(torch.randn(3)) for _ in range(2)]
+        for p in params:
+            p.grad = torch.full((3,), 4.0)
+        params[1].grad[1] = float("inf")
+        opt = torch.optim.SGD(params, lr=1.0)
+        found = torch.zeros(1)
+        flags = cls("cpu")._unscale_grads_(opt, torch.full((1,), 0.25), found, True)
+        results.append(([p.grad.clone() for p in params], {k: v.clone() for k, v in flags.items()}))
+    (ours, our_flags), (theirs, their_flags) = results
+    assert all(torch.equal(a, b) for a, b in zip(ours, theirs, strict=True))
+    assert our_flags.keys() == their_flags.keys()
+    assert all(torch.equal(our_flags[k], their_flags[k]) for k in our_flags)
+    assert float(next(iter(our_flags.values()))) == 1.0
+
+
+def test_the_grad_norm_is_this_steps_until_update() -> None:
+    model, opt = _model()
+    scaler = GradScaler("cpu", init_scale=8.0)
+    scaler.scale(model(torch.ones(3, 4)).pow(2).sum()).backward()
+    norm = scaler.unscale_and_clip_(opt, 1.0)
+    scaler.step(opt)
+    assert scaler.grad_norm is norm
+    scaler.update()
+    assert scaler.grad_norm is None
+
+
+@pytest.mark.parametrize("how", ["unscale_and_clip_", "clip_and_step"])
+def test_a_skipped_clip_leaves_the_gradients_unscaled_as_unscale_does(how: str) -> None:
+    """A skipped step's gradients end unscaled (not clipped: the step is skipped), as
+    PyTorch's ``unscale_`` leaves them, on the CPU too (they were left scaled there,
+    and unscaled on an accelerator)."""
+    grads = []
+    for ours in (True, False):
+        model, opt = _model()
+        scaler = GradScaler("cpu", init_scale=8.0) if ours else torch.amp.GradScaler("cpu", 8.0)
+        scaler.scale(model(torch.ones(3, 4)).pow(2).sum()).backward()
+        model.weight.grad[0, 0] = float("inf")
+        if ours:
+            getattr(scaler, how)(opt, 1.0)
+            if how == "unscale_and_clip_":
+                scaler.step(opt)
+            assert not scaler.stepped(opt)
+        else:
+            scaler.unscale_(opt)
+        grads.append([p.grad.clone() for p in model.parameters()])
+    for a, b in zip(*grads, strict=True):
+        assert torch.equal(a, b)
+    assert grads[0][1].abs().max() < 8.0  # unscaled: the scaled bias gradient is 8x
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field"),
+    [({"init_scale": 10**400}, "init_scale"), ({"growth_factor": 10**400}, "growth_factor")],
+)
+def test_a_number_no_float_holds_is_refused_naming_the_field(kwargs: Any, field: str) -> None:
+    with pytest.raises(sc.InvalidConfigError, match=f"{field}=an int of 1329 bits"):
+        GradScaler("cpu", **kwargs)
+    scaler = GradScaler("cpu")
+    with pytest.raises(sc.InvalidConfigError, match="an int of 1329 bits"):
+        scaler.set_growth_factor(10**400)
+    assert scaler.get_growth_factor() == 2.0

@@ -183,16 +183,31 @@ class Backend(Protocol):
         - ``read(flag)``: the flag as a Python bool, the host synchronisation
           (raising :class:`GradientTypeError` where no value can be read, as
           inside ``jax.jit``).
-        - ``logical_or(a, b)``, ``where(cond, a, b)`` (the chosen leaf's bits,
-          NaN payloads included), ``map_pairs(fn, on_skip, on_step)`` (the
-          library's trees paired leaf by leaf, as
-          ``scaler_core._tree.map_pairs`` pairs nested containers, raising
-          :class:`InvalidArgumentError` where they differ).
+        - ``logical_or(a, b)``: the flag ``a or b``. ``where(cond, a, b)``: ``a``
+          where the flag ``cond`` is true, else ``b`` (arrays, ``float32(x)``
+          values or Python numbers), the chosen bits, NaN payloads included.
+        - ``map_pairs(fn, on_skip, on_step)``: calls ``fn(path, a, b)`` for each
+          pair of leaves (``path`` a str naming the leaf, ``a`` from ``on_skip``,
+          ``b`` from ``on_step``) and returns a tree of ``on_step``'s structure
+          holding the results, raising :class:`InvalidArgumentError` where the
+          trees differ (``scaler_core._tree.map_pairs`` does this for nested
+          containers).
         - For the device transition and the clip coefficient: ``asarray(value,
-          dtype=None)``, ``float32``, ``float64``, ``int32``, ``isfinite``,
-          ``maximum`` and ``minimum``, and ``float64_missing``: ``None`` where
-          float64 is exact, else how to enable it (JAX without x64), so factors
-          that are not float32 values are refused.
+          dtype=None)``, an array of the library with ``.shape`` and ``.dtype``
+          (a 0-d one holding a Python number or bool rounded to ``dtype``: one of
+          ``float32``, ``float64``, ``int32`` or Python's ``bool``; of one of its
+          arrays, one of the same shape and dtype); the dtypes ``float32`` and
+          ``float64``, also called as ``float32(x)`` to make a 0-d value, and
+          ``int32``; ``isfinite`` (false for NaN and +-inf), ``maximum`` and
+          ``minimum``; and ``float64_missing``: ``None`` where float64 is exact,
+          else how to enable it (JAX without x64), so factors that are not
+          float32 values are refused.
+
+        The arrays are computed with by operators (``+ - * /``, comparisons, and
+        ``& | ~`` on booleans) and a device state is read back with ``float()``
+        and ``int()`` of its 0-d fields. ``scaler_core.testing.NAMESPACE_DUTIES``
+        lists these duties member by member, and ``check_backend`` holds a
+        namespace to them.
         """
         ...
 

@@ -2,7 +2,7 @@
 
 * :func:`check_backend` runs the Backend contract's checks on a backend (one
   registered with :func:`scaler_core.register_backend`, or a built-in one);
-  it needs NumPy only.
+  it needs NumPy only. :data:`NAMESPACE_DUTIES` says what its namespace serves.
 * :func:`check_policy` property-tests a scale policy ``policy(state, found) ->
   state`` on random configs and flag sequences, and the strategies
   (:func:`configs`, :func:`states`, :func:`flag_sequences`,
@@ -25,7 +25,7 @@ Run them from a plain test function in your own test file::
 from typing import Any
 
 from .._errors import MissingDependencyError
-from ._contract import BACKEND_CHECKS, check_backend
+from ._contract import BACKEND_CHECKS, NAMESPACE_DUTIES, check_backend
 
 try:
     from ._policy import (
@@ -50,6 +50,7 @@ except MissingDependencyError as _missing:  # pragma: no cover - only without hy
 
 __all__ = [
     "BACKEND_CHECKS",
+    "NAMESPACE_DUTIES",
     "check_backend",
     "check_invariants",
     "check_policy",

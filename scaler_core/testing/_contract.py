@@ -27,6 +27,7 @@ import numpy as np
 
 from .. import _ops
 from .._backend import Backend, get_backend, missing_members
+from .._coerce import describe, host_flag
 from .._config import ScalerConfig
 from .._errors import (
     BackendContractError,
@@ -37,9 +38,9 @@ from .._errors import (
 )
 from .._f32 import FLT_MIN, f32
 from .._report import LeafReport, non_finite_leaves
-from .._state import ScalerState, host_update, init
+from .._state import DATA_FIELDS, FLOAT_FIELDS, ScalerState, host_update, init
 
-__all__ = ["BACKEND_CHECKS", "check_backend"]
+__all__ = ["BACKEND_CHECKS", "NAMESPACE_DUTIES", "check_backend"]
 
 _BF16 = np.dtype(ml_dtypes.bfloat16)
 _DTYPES = (np.dtype(np.float16), _BF16, np.dtype(np.float32), np.dtype(np.float64))
@@ -145,32 +146,54 @@ class _Check:
 
     def __init__(self, name: str, subject: BackendSubject) -> None:
         self.name, self.subject, self.backend = name, subject, subject.backend
+        #: The call in progress, named by the members it runs: what an unexpected
+        #: exception is reported as coming from.
+        self.doing = "the check"
+
+    @property
+    def prefix(self) -> str:
+        return f"check {self.name!r} failed for backend {self.subject.name!r}: "
 
     def fail(self, what: str) -> BackendContractError:
-        return BackendContractError(
-            f"check {self.name!r} failed for backend {self.subject.name!r}: {what}"
+        return BackendContractError(self.prefix + what)
+
+    def unexpected(self, exc: BaseException) -> BackendContractError:
+        """An exception the contract does not document, as a contract failure naming the
+        members that were running (chain it with ``from exc``)."""
+        return self.fail(
+            f"{self.doing} raised {type(exc).__name__}: {exc}, but a backend's members must "
+            f"return what the Backend protocol says, or raise the errors it documents"
         )
+
+    def now(self, doing: str) -> None:
+        self.doing = doing
 
     # The operations as users call them: composed, once, from the backend's passes.
     def unscale(self, grads: Any, scale: Any) -> tuple[Any, Any]:
+        self.now("unscale (leaves(grads, writable=True), then unscale(leaves, scale))")
         return _ops.unscale(self.backend, grads, scale)
 
     def unscale_and_norm(self, grads: Any, scale: Any) -> tuple[Any, Any, Any]:
+        self.now("unscale_and_norm (leaves(grads, writable=True), then measure(write=True))")
         return _ops.unscale_and_norm(self.backend, grads, scale)
 
     def unscale_and_clip(
         self, grads: Any, scale: Any, max_norm: Any, reduce: Callable[[Any], Any] | None = None
     ) -> tuple[Any, Any, Any]:
+        self.now("unscale_and_clip (leaves(), measure(write=False), then rescale())")
         return _ops.unscale_and_clip(self.backend, grads, scale, max_norm, reduce)
 
     def find_non_finite(self, grads: Any) -> Any:
+        self.now("find_non_finite (leaves(grads, writable=False), then unscale(leaves, None))")
         return _ops.find_non_finite(self.backend, grads)
 
     def host(self, x: Any) -> np.ndarray:
         """A host copy (a NumPy backend's arrays change in place afterwards)."""
+        self.now(f"to_numpy() of a {type(x).__qualname__}")
         return np.array(self.subject.to_numpy(x))
 
     def array(self, host: np.ndarray) -> Any:
+        self.now(f"asarray() of a {host.dtype} array of shape {host.shape}")
         return self.subject.asarray(host)
 
     def flag(self, flag: Any, what: str) -> bool:
@@ -217,6 +240,259 @@ def _check_protocol(c: _Check) -> None:
         )
     if not isinstance(c.backend.name, str) or not c.backend.name:
         raise c.fail(f"name={c.backend.name!r} is not a non-empty str")
+
+
+#: What the core asks of a backend's :meth:`~scaler_core.Backend.namespace`, member by
+#: member: the call as the core makes it, and what it must give. Every member the core
+#: reads is here (a test holds this against ``scaler_core._ops`` and ``_state``), and the
+#: ``namespace`` check holds each one to its line, naming it when it breaks.
+NAMESPACE_DUTIES: Mapping[str, str] = MappingProxyType(
+    {
+        "on_host": "on_host must be True (flags are host values and the core decides on "
+        "the host) or False (a device library: nothing is read back)",
+        "float64_missing": "float64_missing must be None where float64 is exact, else a str "
+        "saying how to enable it",
+        "flag": "flag(value) must return a flag holding the bool value: where on_host, a "
+        "bool or numpy.bool_; else a 0-d array of its library whose str(dtype) is 'bool' "
+        "(or 'torch.bool'), made on its device",
+        "read": "read(flag) must return the flag's value as a Python bool (the one host "
+        "synchronisation)",
+        "is_array": "is_array(value) must return whether value is an array of its library "
+        "(True for its flags and arrays, False for a Python float)",
+        "logical_or": "logical_or(a, b) must return the flag a or b",
+        "where": "where(cond, a, b) must return a where the flag cond is true, else b, bit "
+        "for bit (a and b arrays, float32(x) values or Python numbers)",
+        "map_pairs": "map_pairs(fn, on_skip, on_step) must call fn(path, a, b) for each pair "
+        "of leaves (path a str naming the leaf, a from on_skip, b from on_step), return a "
+        "tree of on_step's structure holding fn's results, and raise InvalidArgumentError "
+        "where the trees differ",
+        "asarray": "asarray(value, dtype=None) must return an array of its library with "
+        ".shape and .dtype: of a Python number or bool a 0-d array holding it rounded to "
+        "dtype (float32, float64, int32, Python bool or None), of one of its arrays an "
+        "array of the same shape and dtype",
+        "float32": "float32 must be a dtype asarray(value, dtype=float32) takes, and "
+        "callable: float32(x) is x rounded to float32, a 0-d value arrays compute with",
+        "float64": "float64 must be a dtype asarray(value, dtype=float64) takes, and "
+        "callable: float64(x) is x as a float64 value arrays compute with (exact where "
+        "float64_missing is None)",
+        "int32": "int32 must be a dtype asarray(value, dtype=int32) takes",
+        "isfinite": "isfinite(x) must be False for NaN, inf and -inf and True for every "
+        "finite value (the transition grows the scale only where the product is finite)",
+        "maximum": "maximum(a, b) must return the larger of two float32 values",
+        "minimum": "minimum(a, b) must return the smaller of two float32 values",
+    }
+)
+
+
+class _Namespace:
+    """A backend's namespace under the ``namespace`` check: each call named, and refused
+    with the member's duty when it raises or gives the wrong thing."""
+
+    def __init__(self, c: _Check, xp: Any) -> None:
+        self.c, self.xp = c, xp
+
+    def broken(self, call: str, did: str) -> BackendContractError:
+        member = call.partition("(")[0]
+        return self.c.fail(f"namespace().{call} {did}, but {NAMESPACE_DUTIES[member]}")
+
+    def __call__(self, call: str, *args: Any, **kwargs: Any) -> Any:
+        """``namespace().<member>(*args, **kwargs)``; ``call`` shows it in messages."""
+        self.c.now(f"namespace().{call}")
+        try:
+            return getattr(self.xp, call.partition("(")[0])(*args, **kwargs)
+        except BackendContractError:
+            raise
+        except Exception as exc:
+            raise self.broken(call, f"raised {type(exc).__name__}: {exc}") from exc
+
+    def array(self, call: str, value: Any, shape: tuple[int, ...] = ()) -> Any:
+        """``value``, which ``call`` returned, after checking it is an array of ``shape``."""
+        if not (hasattr(value, "shape") and hasattr(value, "dtype")):
+            raise self.broken(call, f"returned {value!r}, which has no .shape and .dtype")
+        if tuple(value.shape) != shape:
+            raise self.broken(call, f"returned an array of shape {tuple(value.shape)}, not {shape}")
+        return value
+
+    def number(self, call: str, value: Any, want: float) -> None:
+        """``value`` (a 0-d array ``call`` returned) must read back as ``want``."""
+        try:
+            got = float(value)
+        except Exception as exc:
+            raise self.broken(
+                call, f"returned {describe(value)}, which float() cannot read"
+            ) from exc
+        if not (got == want or (math.isnan(got) and math.isnan(want))):
+            raise self.broken(call, f"gave {got!r}, not {want!r}")
+
+    def truth(self, call: str, value: Any, want: bool) -> None:
+        """``value`` (a flag ``call`` returned) must read back as ``want``."""
+        got = self(f"read({call})", value)
+        if got is not want:
+            raise self.broken(call, f"gave a flag that reads as {got!r}, not {want!r}")
+
+
+def _check_namespace(c: _Check) -> None:
+    """``namespace()`` serves every member the core reads, called as the core calls it:
+    ``on_host``, ``float64_missing``, ``flag``, ``read``, ``is_array``, ``logical_or``,
+    ``where``, ``map_pairs`` (``fn(path, a, b)``), ``asarray`` (arrays with ``.shape`` and
+    ``.dtype``), the dtypes ``float32``, ``float64`` (both callable) and ``int32``,
+    ``isfinite`` (false for NaN and +-inf), ``maximum`` and ``minimum``."""
+    c.now("namespace()")
+    xp = c.backend.namespace()
+    missing = [m for m in NAMESPACE_DUTIES if not hasattr(xp, m)]
+    if missing:
+        raise c.fail(
+            f"namespace() returned a {type(xp).__qualname__} without {missing}, but the core "
+            f"reads every one of {list(NAMESPACE_DUTIES)}"
+        )
+    ns = _Namespace(c, xp)
+    if xp.on_host not in (True, False):
+        raise ns.broken("on_host", f"is {xp.on_host!r}")
+    if xp.float64_missing is not None and not isinstance(xp.float64_missing, str):
+        raise ns.broken("float64_missing", f"is {xp.float64_missing!r}")
+    flags = _namespace_flags(ns)
+    _namespace_values(ns, flags)
+    _namespace_leaves(ns, flags)
+
+
+def _namespace_flags(ns: _Namespace) -> dict[bool, Any]:
+    """``flag``, ``read`` and ``logical_or``: the flags ``flag(True)`` and ``flag(False)``."""
+    flags = {}
+    for value in (True, False):
+        call = f"flag({value})"
+        flag = ns(call, value)
+        if ns.xp.on_host:
+            try:
+                ok = host_flag(flag) is not None
+            except GradientTypeError:
+                ok = False
+        else:
+            ok = (
+                ns(f"is_array({call})", flag) is True
+                and tuple(getattr(flag, "shape", (1,))) == ()
+                and str(getattr(flag, "dtype", "")) in _ops._BOOL_DTYPES
+            )
+        if not ok:
+            raise ns.broken(call, f"returned {describe(flag)}")
+        got = ns(f"read({call})", flag)
+        if type(got) is not bool or got is not value:
+            raise ns.broken("read", f"of flag({value}) returned {got!r}")
+        flags[value] = flag
+    for a in (True, False):
+        for b in (True, False):
+            call = f"logical_or(flag({a}), flag({b}))"
+            ns.truth(call, ns(call, flags[a], flags[b]), a or b)
+    return flags
+
+
+def _namespace_values(ns: _Namespace, flags: dict[bool, Any]) -> None:
+    """The 0-d values the transition and the clip coefficient compute with: ``asarray``,
+    the dtypes, ``isfinite``, ``maximum``, ``minimum`` and ``where``."""
+    xp, f32_, i32 = ns.xp, ns.xp.float32, ns.xp.int32
+    for value, dtype, name in ((0.1, f32_, "float32"), (7, i32, "int32"), (-2.5, f32_, "float32")):
+        call = f"asarray({value!r}, dtype={name})"
+        ns.number(call, ns.array(call, ns(call, value, dtype=dtype)), f32(value))
+    if xp.float64_missing is None:
+        call = "asarray(0.1, dtype=float64)"
+        ns.number(call, ns.array(call, ns(call, 0.1, dtype=xp.float64)), 0.1)
+        ns.number("float64(0.1)", ns("float64(0.1)", 0.1), 0.1)
+    for value in (True, False):
+        call = f"asarray({value}, dtype=bool)"
+        ns.truth(call, ns.array(call, ns(call, value, dtype=bool)), value)
+    ns.truth("asarray(False)", ns.array("asarray(False)", ns("asarray(False)", False)), False)
+    ns.number("float32(0.1)", ns("float32(0.1)", 0.1), f32(0.1))
+
+    def f32_array(value: float) -> Any:
+        call = f"asarray({value!r}, dtype=float32)"
+        return ns.array(call, ns(call, value, dtype=f32_))
+
+    two, three = f32_array(2.0), f32_array(3.0)
+    ns.c.now("arithmetic on namespace().asarray(2.0, dtype=float32) and float32(0.5)")
+    ns.number("float32(0.5)", two * ns("float32(0.5)", 0.5), 1.0)
+    ns.truth("asarray(2.0, dtype=float32) < asarray(3.0, dtype=float32)", two < three, True)
+    for value in (1.0, 3.0e38, math.inf, -math.inf, math.nan):
+        call = f"isfinite(asarray({value!r}, dtype=float32))"
+        ns.truth(call, ns(call, f32_array(value)), math.isfinite(value))
+    ns.number("maximum(2.0, float32(3.0))", ns("maximum", two, ns("float32(3.0)", 3.0)), 3.0)
+    ns.number("maximum(3.0, float32(2.0))", ns("maximum", three, ns("float32(2.0)", 2.0)), 3.0)
+    ns.number("minimum(2.0, 3.0)", ns("minimum", two, three), 2.0)
+    ns.number("minimum(3.0, 2.0)", ns("minimum", three, two), 2.0)
+    seven = ns("asarray(7, dtype=int32)", 7, dtype=i32)
+    for value in (True, False):
+        call = f"where(flag({value}), asarray(2.0, dtype=float32), asarray(3.0, dtype=float32))"
+        ns.number(call, ns(call, flags[value], two, three), 2.0 if value else 3.0)
+        call = f"where(flag({value}), 5, asarray(7, dtype=int32))"
+        ns.number(call, ns(call, flags[value], 5, seven), 5 if value else 7)
+
+
+def _namespace_leaves(ns: _Namespace, flags: dict[bool, Any]) -> None:
+    """What ``select`` asks of the namespace for the library's arrays: ``asarray`` keeps
+    shape and dtype, and on a device ``is_array`` and ``where``; then ``map_pairs``."""
+    c = ns.c
+    hosts = [np.arange(6, dtype=d).reshape(2, 3) for d in c.subject.dtypes[:2]]
+    leaves = [c.array(h) for h in hosts]
+    seen = [
+        ns.array(f"asarray(<a {h.dtype} array>)", ns("asarray", x), h.shape)
+        for h, x in zip(hosts, leaves, strict=True)
+    ]
+    if len({str(x.dtype) for x in seen}) != len(seen):
+        raise ns.broken(
+            f"asarray(<a {hosts[-1].dtype} array>)",
+            f"gave the dtype {seen[-1].dtype}, as of a {hosts[0].dtype} array",
+        )
+    if not ns.xp.on_host:  # where is the device select's, is_array its test for an array
+        if ns("is_array(<an array>)", leaves[0]) is not True:
+            raise ns.broken("is_array(<an array>)", "returned something else than True")
+        if ns("is_array(1.0)", 1.0) is not False:
+            raise ns.broken("is_array(1.0)", "returned something else than False")
+        for value in (True, False):
+            a, b = c.array(hosts[0]), c.array(hosts[0][::-1].copy())
+            call = f"where(flag({value}), <an array>, <another>)"
+            got = c.host(ns.array(call, ns(call, flags[value], a, b), hosts[0].shape))
+            if not _same_bits(got, hosts[0] if value else hosts[0][::-1]):
+                raise ns.broken(call, f"gave {got!r}")
+    _namespace_map_pairs(ns, leaves[0])
+
+
+def _namespace_map_pairs(ns: _Namespace, leaf: Any) -> None:
+    """``map_pairs(fn, on_skip, on_step)``: ``fn(path, a, b)`` per pair of leaves, the
+    results in ``on_step``'s structure, InvalidArgumentError for trees that differ."""
+    calls: list[tuple[Any, ...]] = []
+    results: list[object] = []
+
+    def fn(*args: Any) -> object:
+        calls.append(args)
+        results.append(object())
+        return results[-1]
+
+    on_skip = {"w": leaf, "b": [leaf, None], "t": (leaf,)}
+    on_step = {"w": leaf, "b": [leaf, None], "t": (leaf,)}
+    pairs = 3
+    call = "map_pairs(fn, on_skip, on_step)"
+    out = ns(call, fn, on_skip, on_step)
+    for args in calls:
+        if len(args) != len(("path", "a", "b")) or not isinstance(args[0], str):
+            shown = ", ".join(type(a).__qualname__ for a in args)
+            raise ns.broken(call, f"called fn({shown})")
+    if len(calls) != pairs:
+        raise ns.broken(call, f"called fn {len(calls)} times for {pairs} pairs of leaves")
+    try:
+        kept = out["b"][1] is None and type(out["t"]) is tuple
+        placed = {id(out["w"]), id(out["b"][0]), id(out["t"][0])} == {id(r) for r in results}
+    except Exception as exc:
+        raise ns.broken(call, f"returned {out!r}, not a tree of on_step's structure") from exc
+    if not (kept and placed):
+        raise ns.broken(call, f"returned {out!r}, not on_step's structure holding fn's results")
+    ns.c.now("namespace().map_pairs(fn, on_skip, on_step) of trees that differ")
+    try:
+        ns.xp.map_pairs(fn, {"w": leaf}, {"w": leaf, "b": leaf})
+    except InvalidArgumentError:
+        return
+    except Exception as exc:
+        raise ns.broken(
+            call, f"raised {type(exc).__name__} for trees that differ, not InvalidArgumentError"
+        ) from exc
+    raise ns.broken(call, "paired trees that differ without raising InvalidArgumentError")
 
 
 def _check_unscale_values(c: _Check) -> None:
@@ -350,6 +626,7 @@ def _check_leaf_report(c: _Check) -> None:
         hosts[0][20] = dtype.type(-np.inf)
         grads = [c.array(h) for h in hosts]
         tree = {"g": grads, "none": None, "tied": grads[0]}
+        c.now("non_finite_leaves (non_finite_counts(grads))")
         try:
             got = non_finite_leaves(tree, backend=c.backend)
         except Exception as exc:
@@ -415,7 +692,9 @@ def _check_rejects_bad_scales(c: _Check) -> None:
 def _check_scale_loss(c: _Check) -> None:
     """``loss * f32(scale)``, float32 for float16 and float32 losses."""
     for dtype in (np.float16, np.float32):
-        out = c.host(c.backend.scale_loss(c.array(np.array(_LOSS, dtype)), _LOSS_SCALE))
+        loss = c.array(np.array(_LOSS, dtype))
+        c.now(f"scale_loss(<a {np.dtype(dtype)} loss>, {_LOSS_SCALE})")
+        out = c.host(c.backend.scale_loss(loss, _LOSS_SCALE))
         if out.dtype != np.float32 or float(out) != _LOSS * _LOSS_SCALE:
             raise c.fail(f"scale_loss({_LOSS} as {dtype.__name__}, {_LOSS_SCALE}) gave {out!r}")
 
@@ -437,7 +716,9 @@ def _check_select(c: _Check) -> None:
     dirty = c.find_non_finite([c.array(np.array([np.inf], np.float32))])
     clean = c.find_non_finite([c.array(np.ones(1, np.float32))])
     for flag, skip in ((dirty, True), (clean, False), (True, True), (False, False)):
-        out = c.backend.select(flag, tree(old_h), tree(new_h))
+        old_tree, new_tree = tree(old_h), tree(new_h)
+        c.now(f"select(<a {'true' if skip else 'false'} flag>, on_skip, on_step)")
+        out = c.backend.select(flag, old_tree, new_tree)
         want = old_h if skip else new_h
         if out["n"] is not None or not _same_bits(c.host(out["w"]), want["w"]):
             raise c.fail(f"select with a {'true' if skip else 'false'} flag chose wrongly")
@@ -464,8 +745,9 @@ def _check_select(c: _Check) -> None:
 def _check_flags(c: _Check) -> None:
     """``any`` ORs flags (none: false), ``to_bool`` reads them; others: GradientTypeError."""
     backend = c.backend
-    dirty = _ops.find_non_finite(backend, [c.array(np.array([np.nan], np.float32))])
-    clean = _ops.find_non_finite(backend, [c.array(np.ones(1, np.float32))])
+    dirty = c.find_non_finite([c.array(np.array([np.nan], np.float32))])
+    clean = c.find_non_finite([c.array(np.ones(1, np.float32))])
+    c.now("any() of flags")
     cases = {
         "any()": (backend.any(), False),
         "any(clean, dirty)": (backend.any(clean, dirty), True),
@@ -482,16 +764,58 @@ def _check_flags(c: _Check) -> None:
         c.raises(GradientTypeError, functools.partial(backend.any, clean, bad), f"any(.., {bad!r})")
 
 
+#: The update check's runs: configs and flag sequences reaching each edge of the rule
+#: (growth past float32's largest value, the ceiling, the floor, hysteresis), compared
+#: step by step with the host rule; a device state is carried from step to step.
+_UPDATE_RUNS: tuple[tuple[dict[str, Any], tuple[bool, ...]], ...] = (
+    ({"growth_interval": 1, "hysteresis": 2}, (True, False, True, True, False)),
+    ({"init_scale": 2.0**127, "growth_interval": 1}, (False, False, True, False)),
+    ({"init_scale": 2.0**126, "growth_interval": 1, "at_max_scale": "clamp"}, (False,) * 3),
+    ({"init_scale": 2.0**20, "max_scale": 2.0**21, "growth_interval": 1}, (False, False, True)),
+    ({"init_scale": 8.0, "min_scale": 2.0, "growth_interval": 2}, (True,) * 3 + (False,) * 2),
+)
+
+
+def _same_value(a: float, b: float) -> bool:
+    return a == b or (math.isnan(a) and math.isnan(b))
+
+
 def _check_update(c: _Check) -> None:
-    """One transition equal to the host rule; a refused step raises or is recorded."""
+    """Runs of transitions equal to the host rule step by step, at every edge (growth
+    past float32's largest value held or clamped, the ceiling, the floor, hysteresis),
+    with device or host flags; a refused step raises or is recorded."""
     backend = c.backend
-    dirty = _ops.find_non_finite(backend, [c.array(np.array([np.inf], np.float32))])
-    clean = _ops.find_non_finite(backend, [c.array(np.ones(1, np.float32))])
+    dirty = c.find_non_finite([c.array(np.array([np.inf], np.float32))])
+    clean = c.find_non_finite([c.array(np.ones(1, np.float32))])
     state = init(ScalerConfig(growth_interval=1, hysteresis=2))
     for flag, found in ((dirty, True), (clean, False), (True, True), (False, False)):
+        c.now(f"update(state, <a {'device' if flag is not found else 'host'} flag>)")
         got = backend.update(state, flag)
         if not isinstance(got, ScalerState) or got.to_host() != host_update(state, found):
             raise c.fail(f"update with found={found} gave {got!r}")
+    for kwargs, founds in _UPDATE_RUNS:
+        config = "ScalerConfig(" + ", ".join(f"{k}={v!r}" for k, v in kwargs.items()) + ")"
+        host = device = init(ScalerConfig(**kwargs))
+        for step, found in enumerate(founds, 1):
+            want = host_update(host, found)
+            call = f"update(state, found={found}) at step {step} of {config}"
+            c.now(call)
+            device = backend.update(device, dirty if found else clean)
+            if not isinstance(device, ScalerState):
+                raise c.fail(f"{call} returned {device!r}, not a ScalerState")
+            fields = {
+                n: (float if n in FLOAT_FIELDS else int)(getattr(device, n)) for n in DATA_FIELDS
+            }
+            wrong = [n for n in DATA_FIELDS if not _same_value(fields[n], getattr(want, n))]
+            if wrong:
+                raise c.fail(
+                    f"{call} gave "
+                    + ", ".join(f"{n}={fields[n]!r}" for n in wrong)
+                    + ", but the host rule gives "
+                    + ", ".join(f"{n}={getattr(want, n)!r}" for n in wrong)
+                )
+            host = want
+    c.now("update(state, <a device flag>) of a collapsing state")
     try:
         failed = backend.update(init(ScalerConfig(init_scale=FLT_MIN)), dirty)
     except ScaleCollapseError:
@@ -531,8 +855,10 @@ def _coefficient(norm: float, max_norm: float) -> np.float32:
 def _check_norm_and_clip(c: _Check) -> None:
     """``unscale_and_norm`` writes ``unscale``'s bits and a norm within 1e-6 of the exact one
     (non-finite with the flag); ``unscale_and_clip`` stores the rules' clipped values for its
-    norm, writes nothing on a skipped step (a planted NaN, or ``reduce`` saying skip), and
-    refuses a bad ``max_norm`` before anything changes."""
+    norm, the coefficient clamped at 1 (a norm below ``max_norm`` changes nothing), writes
+    nothing on a skipped step (a planted NaN, or ``reduce`` saying skip), and refuses a bad
+    ``max_norm`` before anything changes; on a tree of every dtype, ``measure`` without
+    ``write`` writes nothing, and nothing at all on leaves made with ``writable=False``."""
     for i, dtype in enumerate(c.subject.dtypes):
         host = _values(dtype, 1024.0, 37, seed=900 + i)
         want = _unscaled(host, 1024.0)
@@ -566,6 +892,7 @@ def _check_norm_and_clip(c: _Check) -> None:
                 )
         if math.isfinite(float(c.host(c.unscale_and_norm([c.array(bad.copy())], 1024.0)[2]))):
             raise c.fail(f"unscale_and_norm of {dtype} with a NaN gave a finite norm")
+    _check_clip_passes(c)
     given = [c.array(_values(c.subject.dtypes[-1], 2.0, 5, seed=7))]
     before = c.host(given[0])
     bad_norms: tuple[Any, ...] = (0.0, -1.0, float("inf"), float("nan"), True, "1")
@@ -580,9 +907,128 @@ def _check_norm_and_clip(c: _Check) -> None:
         raise c.fail("a refused unscale_and_clip changed the gradients")
 
 
+def _clip_tree(c: _Check, scale: float, nan_at: int | None = None) -> tuple[Any, ...]:
+    """A tree of one leaf per dtype and a 0-d leaf: ``(tree, leaves, paths, hosts)``,
+    with a NaN in leaf ``nan_at`` when given."""
+    dtypes = c.subject.dtypes
+    hosts = [_values(d, scale, 29, seed=950 + i) for i, d in enumerate(dtypes)]
+    hosts.append(np.array(_values(dtypes[-1], scale, 3, seed=990)[2]))
+    if nan_at is not None:
+        hosts[nan_at].reshape(-1)[-1] = np.nan
+    leaves = [c.array(h.copy()) for h in hosts]
+    paths = [f"grads['g'][{i}]" for i in range(len(dtypes))] + ["grads['s'][0]"]
+    return {"g": leaves[:-1], "s": (leaves[-1],)}, leaves, paths, hosts
+
+
+def _tree_leaves(tree: Any) -> list[Any]:
+    return [*tree["g"], tree["s"][0]]
+
+
+def _first_changed(c: _Check, paths: list[str], leaves: list[Any], hosts: list[Any]) -> str:
+    """The path of the first leaf whose values are no longer ``hosts``'s ('' for none)."""
+    for path, leaf, host in zip(paths, leaves, hosts, strict=True):
+        if not _same_bits(c.host(leaf), host):
+            return path
+    return ""
+
+
+def _check_clip_passes(c: _Check) -> None:
+    """The passes under the clip, called as the core calls them, on a tree of every dtype:
+    the read-only pass writes nothing, a skipped step writes nothing, and ``rescale``
+    stores the rules' values, the coefficient clamped at 1."""
+    backend, scale = c.backend, 1024.0
+    tree, leaves, paths, hosts = _clip_tree(c, scale)
+    exact = _exact_norm(_unscaled(h, scale) for h in hosts)
+    call = "measure(leaves(grads, writable=False), scale, write=False)"
+    c.now(call)
+    _, found, norm = backend.measure(backend.leaves(tree, writable=False), scale, write=False)
+    changed = _first_changed(c, paths, leaves, hosts)
+    if changed:
+        raise c.fail(
+            f"{call} changed {changed}, but on leaves made with writable=False measure "
+            f"must write nothing (the read-only pass: fold_clip measures gradients that a "
+            f"fused optimizer then reads, still scaled)"
+        )
+    got = float(c.host(norm))
+    if c.flag(found, "measure()") or abs(got - exact) > 1e-6 * exact:
+        raise c.fail(f"{call} gave the norm {got!r}, the exact one is {exact!r}")
+    for nan_at in (1, None):  # a NaN flags the skip; else the caller's decision does
+        tree, leaves, paths, hosts = _clip_tree(c, scale, nan_at)
+        call = "measure(leaves(grads, writable=True), scale, write=False)"
+        c.now(call)
+        prepared = backend.leaves(tree, writable=True)
+        _, found, norm = backend.measure(prepared, scale, write=False)
+        changed = _first_changed(c, paths, leaves, hosts)
+        if changed:
+            raise c.fail(
+                f"{call} changed {changed} before a skipped step, but without write "
+                f"measure must write nothing: a skipped step's gradients keep their scaled "
+                f"values"
+            )
+        skip = found if nan_at is not None else backend.any(found, True)
+        call = "rescale(leaves, scale, norm, max_norm=1.0, skip=<a true flag>)"
+        c.now(call)
+        out = backend.rescale(prepared, scale, norm, 1.0, skip)
+        changed = _first_changed(c, paths, leaves, hosts) or _first_changed(
+            c, paths, _tree_leaves(out), hosts
+        )
+        if changed:
+            raise c.fail(
+                f"{call} changed {changed}, but on a skipped step rescale must write "
+                f"nothing: the gradients keep their scaled values"
+            )
+    for factor in (0.25, 20.0):  # max_norm below the norm, then above it
+        tree, leaves, paths, hosts = _clip_tree(c, scale)
+        max_norm = float(f32(exact * factor))
+        prepared = backend.leaves(tree, writable=True)
+        c.now("measure(leaves(grads, writable=True), scale, write=False)")
+        _, found, norm = backend.measure(prepared, scale, write=False)
+        measured = float(c.host(norm))
+        coef = _coefficient(measured, max_norm)
+        call = f"rescale(leaves, scale, norm={measured!r}, max_norm={max_norm!r}, skip=False)"
+        c.now(call)
+        out = backend.rescale(prepared, scale, norm, max_norm, found)
+        for path, leaf, host in zip(paths, _tree_leaves(out), hosts, strict=True):
+            stored, want = c.host(leaf), _clipped(_unscaled(host, scale), coef)
+            if _same_bits(stored, want):
+                continue
+            shown = _difference(path, stored, want)
+            if coef != 1:
+                raise c.fail(f"{call} stored {shown} (the unscaled value times {float(coef)!r})")
+            raise c.fail(
+                f"{call} stored {shown} (the unscaled values times {_ratio(stored, want):.4g}), "
+                f"but the coefficient min(1, max_norm / (norm + 1e-6)) is clamped at 1: a "
+                f"norm below max_norm must leave unscale()'s values as they are"
+            )
+
+
+def _difference(path: str, got: np.ndarray, want: np.ndarray) -> str:
+    """Where ``got`` first differs from ``want``, for a message: ``grads[0][2]=1.5, the
+    rules give 0.75``."""
+    if got.dtype != want.dtype or got.shape != want.shape:
+        return (
+            f"{path} as a {got.dtype} array of shape {got.shape}, the rules give a "
+            f"{want.dtype} array of shape {want.shape}"
+        )
+    differs = ~np.array(
+        [_same_bits(g, w) for g, w in zip(got.reshape(-1), want.reshape(-1), strict=True)]
+    )
+    at = tuple(int(i) for i in np.unravel_index(int(np.argmax(differs)), got.shape))
+    index = "".join(f"[{i}]" for i in at)
+    return f"{path}{index}={got[at]}, the rules give {want[at]}"
+
+
+def _ratio(got: np.ndarray, want: np.ndarray) -> float:
+    """The median of ``got / want`` over the finite, non-zero elements (NaN for none)."""
+    g, w = got.astype(np.float64).ravel(), want.astype(np.float64).ravel()
+    keep = np.isfinite(g) & np.isfinite(w) & (w != 0)
+    return float(np.median(g[keep] / w[keep])) if keep.any() else math.nan
+
+
 _CHECKS: Mapping[str, Callable[[_Check], None]] = MappingProxyType(
     {
         "protocol": _check_protocol,
+        "namespace": _check_namespace,
         "unscale_values": _check_unscale_values,
         "unscale_trees": _check_unscale_trees,
         "subnormals": _check_subnormals,
@@ -699,8 +1145,10 @@ def check_backend(
         The names of the checks that ran (all passed).
 
     Raises:
-        BackendContractError: A check failed; the message names it, the case
-            and what the rules expect.
+        BackendContractError: A check failed; the message names it, the case,
+            the member and what the rules expect. An exception the contract does
+            not document, raised by a member (or by ``asarray``/``to_numpy``), is
+            reported so too, naming the call and chained from the original.
         InvalidArgumentError: ``only`` names an unknown check, or ``asarray`` /
             ``to_numpy`` are needed and missing.
 
@@ -729,5 +1177,37 @@ def check_backend(
         )
     with np.errstate(over="ignore", invalid="ignore"):
         for name in names:
-            _CHECKS[name](_Check(name, subject))
+            _run(name, subject)
     return names
+
+
+def _run(name: str, subject: BackendSubject) -> None:
+    """Check ``name``; whatever a member raises that the contract does not document
+    becomes a :class:`BackendContractError` naming the call (chained from it), with the
+    namespace's own fault where it has one (the flag operations and the transition run
+    on it, so its faults surface anywhere)."""
+    check = _Check(name, subject)
+    try:
+        _CHECKS[name](check)
+    except Exception as exc:
+        error = exc if isinstance(exc, BackendContractError) else check.unexpected(exc)
+        fault = None if name in ("protocol", "namespace") else _namespace_fault(subject)
+        if fault is not None:
+            error = BackendContractError(
+                f"{error}; namespace() breaks the contract too, which may be why: {fault}"
+            )
+        if error is exc:
+            raise
+        raise error from exc
+
+
+def _namespace_fault(subject: BackendSubject) -> str | None:
+    """What the ``namespace`` check finds wrong with the backend's namespace, or None."""
+    probe = _Check("namespace", subject)
+    try:
+        _check_namespace(probe)
+    except BackendContractError as exc:
+        return str(exc).removeprefix(probe.prefix)
+    except Exception as exc:
+        return str(probe.unexpected(exc)).removeprefix(probe.prefix)
+    return None

@@ -12,6 +12,7 @@ from __future__ import annotations
 import importlib.util
 import re
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -19,7 +20,8 @@ import pytest
 
 import scaler_core as sc
 from scaler_core._backend import BACKEND_MEMBERS
-from scaler_core.testing import BACKEND_CHECKS, check_backend
+from scaler_core.backends._numpy_reference import HostNamespace
+from scaler_core.testing import BACKEND_CHECKS, NAMESPACE_DUTIES, check_backend
 
 
 def _numba() -> Any:
@@ -178,6 +180,155 @@ def test_check_backend_catches_a_broken_backend(
         check_backend(broken, **numpy)
     with pytest.raises(sc.BackendContractError, match=re.escape(message)):
         check_backend(broken, only=[check], **numpy)
+
+
+def _rescale_unclamped(leaves: Any, scale: Any, norm: Any, max_norm: float, skip: Any) -> Any:
+    """The clip with no ``min(coef, 1)``: a norm of 5 under max_norm=100 multiplies by 20."""
+    from scaler_core.backends._numpy_reference import clip_in_place, unscaled_copy
+
+    if _reference().to_bool(skip):
+        return leaves.grads
+    inv = float(np.float32(1.0) / np.float32(scale))
+    coef = np.float32(1.0) / (np.float32(norm) + np.float32(1e-6)) * np.float32(max_norm)
+    unscaled = [unscaled_copy(g, inv) for g in leaves.work]
+    for g, u in zip(leaves.work, unscaled, strict=True):
+        clip_in_place(g, u, coef)
+    return leaves.grads
+
+
+def _measure_writes_all_but_the_first(leaves: Any, scale: Any, *, write: bool) -> Any:
+    """A read-only pass that stores the unscaled values of every leaf after the first
+    (a scratch buffer reused on the gradients): one-leaf cases cannot see it."""
+    from scaler_core.backends._numpy_reference import unscaled_copy
+
+    out = _reference().measure(leaves, scale, write=write)
+    if not write:
+        inv = float(np.float32(1.0) / np.float32(scale))
+        for g in leaves.work[1:]:
+            g[...] = unscaled_copy(g, inv)
+    return out
+
+
+class _DeviceNamespace(HostNamespace):
+    """NumPy as a device library's namespace: flags are 0-d boolean arrays and the
+    transition runs branch-free (``device_update``), where ``isfinite`` decides growth."""
+
+    on_host = False
+    flag = staticmethod(lambda value: np.asarray(value, dtype=bool))
+
+
+class _MissesInf(_DeviceNamespace):
+    """A finiteness test that only looks for NaN: inf counts as finite."""
+
+    isfinite = staticmethod(lambda x: ~np.isnan(x))
+
+
+class _PairsWithoutPaths(HostNamespace):
+    """Written from the old table, which gave no signature: ``fn(a, b)``, no path."""
+
+    @staticmethod
+    def map_pairs(fn: Callable[..., Any], on_skip: Any, on_step: Any) -> Any:
+        from scaler_core._tree import map_pairs
+
+        return map_pairs(lambda _path, a, b: fn(a, b), on_skip, on_step)
+
+
+class _AsarrayToList(HostNamespace):
+    """Written from the old table, which said nothing of the result: a plain list (a
+    Python scalar for a 0-d value), with no ``.shape`` or ``.dtype``."""
+
+    @staticmethod
+    def asarray(value: Any, dtype: Any = None) -> Any:
+        return np.asarray(value, dtype).tolist()
+
+
+def _with_namespace(namespace: type) -> Callable[[], Any]:
+    """The reference backend with another namespace (a subclass: the flag operations it
+    inherits from scaler_core.Backend must see the namespace, which delegation hides)."""
+    from scaler_core.backends._numpy_reference import NumpyReferenceBackend
+
+    class Broken(NumpyReferenceBackend):
+        name = "broken"
+
+        def namespace(self, *values: Any) -> Any:
+            return namespace()
+
+    return Broken
+
+
+@pytest.mark.parametrize(
+    ("make", "check", "member", "promise"),
+    [
+        (
+            lambda: _Delegating(rescale=_rescale_unclamped),
+            "norm_and_clip",
+            "rescale(",
+            "clamped at 1",
+        ),
+        (
+            lambda: _Delegating(measure=_measure_writes_all_but_the_first),
+            "norm_and_clip",
+            "measure(",
+            "must write nothing",
+        ),
+        (_with_namespace(_MissesInf), "update", "namespace().isfinite(", "must be False for"),
+        (_with_namespace(_PairsWithoutPaths), "select", "namespace().map_pairs(", "fn(path, a, b)"),
+        (_with_namespace(_AsarrayToList), "select", "namespace().asarray(", ".shape"),
+    ],
+    ids=[
+        "clip-unclamped",
+        "measure-writes",
+        "isfinite-misses-inf",
+        "map_pairs-no-path",
+        "asarray-list",
+    ],
+)
+def test_check_backend_names_the_member_and_the_promise_it_broke(
+    make: Callable[[], Any], check: str, member: str, promise: str
+) -> None:
+    """Broken backends a one-leaf, mid-range suite passed: each fails the whole suite and
+    the check that meets the fault, with a BackendContractError (never a raw exception)
+    naming the member and what it must do."""
+    numpy = {"asarray": np.array, "to_numpy": np.asarray}
+    for only in (None, [check]):
+        with pytest.raises(sc.BackendContractError) as info:
+            check_backend(make(), only=only, **numpy)
+        assert member in str(info.value), (only, str(info.value))
+        assert promise in str(info.value), (only, str(info.value))
+
+
+def test_an_unexpected_error_from_a_member_becomes_a_contract_error_naming_it() -> None:
+    def scale_loss(loss: Any, scale: Any) -> Any:
+        raise KeyError("no such device")
+
+    with pytest.raises(sc.BackendContractError, match=r"scale_loss\(.*KeyError") as info:
+        check_backend(
+            _Delegating(scale_loss=scale_loss),  # type: ignore[arg-type]
+            only=["scale_loss"],
+            asarray=np.array,
+            to_numpy=np.asarray,
+        )
+    assert isinstance(info.value.__cause__, KeyError)
+
+
+def test_the_namespace_duties_are_every_member_the_core_reads() -> None:
+    """NAMESPACE_DUTIES (what the namespace check holds a namespace to) names exactly the
+    ``xp.<member>`` the core's flag operations and transition read, no more, no fewer."""
+    core = Path(sc.__file__).parent
+    used = set()
+    for module in ("_ops.py", "_state.py"):
+        used |= set(re.findall(r"\bxp\.(\w+)", (core / module).read_text(encoding="utf-8")))
+    assert used == set(NAMESPACE_DUTIES)
+
+
+def test_the_reference_lists_every_namespace_duty() -> None:
+    """docs/reference.md's namespace table names the members of NAMESPACE_DUTIES, in order."""
+    page = (Path(__file__).parents[2] / "docs" / "reference.md").read_text(encoding="utf-8")
+    header = "| namespace member | how the core calls it | what it must give |"
+    rows = page[page.index(header) :].splitlines()[2:]
+    rows = rows[: next(i for i, row in enumerate(rows) if not row.startswith("|"))]
+    listed = [re.match(r"\| `(\w+)` \|", row).group(1) for row in rows]  # type: ignore[union-attr]
+    assert listed == list(NAMESPACE_DUTIES)
 
 
 def test_check_backend_needs_conversions_for_a_library_it_does_not_know() -> None:

@@ -311,8 +311,9 @@ def test_the_build_refuses_an_instruction_it_does_not_know() -> None:
 
 
 #: The contract's checks that run CuPy's own elementwise kernels (the leaf report's
-#: counts, the loss's product, the device transition), not ours: those run on a GPU.
-GPU_ONLY_CHECKS = ("leaf_report", "scale_loss", "update")
+#: counts, the loss's product, the namespace's operations, the device transition), not
+#: ours: those run on a GPU.
+GPU_ONLY_CHECKS = ("leaf_report", "namespace", "scale_loss", "update")
 
 
 @pytest.mark.parametrize("check", [c for c in BACKEND_CHECKS if c not in GPU_ONLY_CHECKS], ids=str)

@@ -126,10 +126,10 @@ def install(
     device = old._device  # PyTorch's class has no getter for it
     new: GradScaler
     if _is_sharded(old):
-        group = getattr(old, "process_group", None)
-        if group is not None:  # PyTorch's None is the default group, as ours is by default
-            options["process_group"] = group
-        new = ShardedGradScaler(device, **options)
+        # PyTorch's None is the default group, as it is ours.
+        new = ShardedGradScaler(
+            device, process_group=getattr(old, "process_group", None), **options
+        )
     else:
         new = GradScaler(device, **options)
     accelerator.scaler = new

@@ -234,7 +234,6 @@ class GradScaler(torch.amp.GradScaler):
         self._norm: torch.Tensor | None = None
         self._mirror: ScalerState | None = None  # a CPU scaler's state at its last update
         self._stepped: dict[int, Any] = {}
-        self._taken: set[int] = set()  # fused optimizers whose step has been called
         self._extra: dict[str, torch.Tensor] | None = None
         self._config: ScalerConfig | None = config
         if not self._enabled:  # as PyTorch's: nothing is checked, nothing is held
@@ -518,10 +517,13 @@ class GradScaler(torch.amp.GradScaler):
         """As PyTorch's: unscale (if not done), then ``optimizer.step()`` unless its
         gradients held inf/NaN; fused optimizers get ``grad_scale`` and ``found_inf``.
 
-        A fused optimizer's skipped step changes nothing of it: where the flag is read
-        for free (the CPU), and on an accelerator until its first step is taken, a
-        skipped step does not call it (see :meth:`_skip_known`; PyTorch's calls it, and
-        a fused SGD skipped on its first step keeps uninitialised momentum buffers).
+        A fused optimizer's step is called on every step, skipped or not, with the
+        flag as its ``found_inf``, as PyTorch's calls it on every device (so a framework
+        that counts the calls, such as accelerate's ``optimizer_step_was_skipped`` and
+        the HF Trainer's LR schedule, sees what it sees with PyTorch's class);
+        :meth:`stepped` tells whether it moved anything. The one exception is where
+        PyTorch's call leaves a defect (:meth:`_skip_known`): a fused SGD with momentum
+        skipped before its first step is not called, on the CPU and an accelerator alike.
         """
         if not (self._enabled and _takes_grad_scale(optimizer)) or "closure" in kwargs:
             retval = super().step(optimizer, *args, **kwargs)  # PyTorch's, errors included
@@ -550,8 +552,8 @@ class GradScaler(torch.amp.GradScaler):
         """Step an optimizer that unscales in its own pass: ``divisor`` (times a
         ``grad_scale`` the user set, as PyTorch's step multiplies it in) as its
         ``grad_scale`` (``None``: the gradients are unscaled already), the recorded flags
-        as its ``found_inf`` (1.0 or 0.0: its kernels skip only on 1.0), unless the
-        skip is known on the host (:meth:`_skip_known`)."""
+        as its ``found_inf`` (1.0 or 0.0: its kernels skip only on 1.0), unless the call
+        would leave a defect (:meth:`_skip_known`)."""
         scale = cast(torch.Tensor, self._scale)
         flags = [
             f.to(scale.device, non_blocking=True)
@@ -568,8 +570,8 @@ class GradScaler(torch.amp.GradScaler):
             self._stepped[id(optimizer)] = False
         else:
             given = getattr(optimizer, "grad_scale", None)
-            if divisor is not None and given is not None:
-                divisor = divisor * given
+            if divisor is not None:  # a new tensor, as PyTorch's: the scale changes in update
+                divisor = divisor * (1 if given is None else given)
             optimizer.grad_scale = given if divisor is None else divisor  # type: ignore[attr-defined]
             optimizer.found_inf = found_inf  # type: ignore[attr-defined]
             try:
@@ -763,22 +765,18 @@ class GradScaler(torch.amp.GradScaler):
         return self._norm
 
     def _skip_known(self, optimizer: torch.optim.Optimizer, found: torch.Tensor) -> bool:
-        """Whether a fused optimizer's step is known, on the host, to be skipped: then it
-        is not called at all, and nothing of the optimizer changes.
+        """Whether a fused optimizer's skipped step is not called: only where PyTorch's
+        call leaves a defect, and then on every device alike.
 
-        The flag is read where that is free (the host route), and on an accelerator
-        only until the optimizer's step has been called once through this scaler (one
-        synchronisation a step until then): a fused step skipped on its ``found_inf``
-        still creates the state it lazily makes, and fused SGD keeps momentum buffers
-        made with ``torch.empty_like``, which its next step takes for a momentum
-        (PyTorch's ``GradScaler.step`` calls it so).
+        That is a fused SGD with momentum before its first step (a parameter with a
+        gradient and no momentum buffer yet): skipped on its ``found_inf``, it still
+        keeps the momentum buffers it made with ``torch.empty_like``, and its next step
+        takes their uninitialised memory for a momentum (PyTorch's ``GradScaler.step``
+        calls it so). There the flag is read (on an accelerator one synchronisation a
+        step, until the buffers exist) and a skipped step is not called. Every other
+        fused step is called, as PyTorch's is, and skips inside its kernel.
         """
-        if id(optimizer) in self._taken and not self._host_route():
-            return False
-        if bool(found.item()):
-            return True
-        self._taken.add(id(optimizer))
-        return False
+        return _momentum_unborn(optimizer) and bool(found.item())
 
     def _ready(self, optimizer: torch.optim.Optimizer) -> tuple[torch.Tensor, dict[str, Any]]:
         """The scale and the optimizer's record, refusing (with PyTorch's ``unscale_``
@@ -1131,7 +1129,7 @@ class GradScaler(torch.amp.GradScaler):
             # is used). Any other group is kept as it is: a deep copy shares it (see
             # __deepcopy__), and pickle refuses it as it refuses PyTorch's (TypeError).
             out["_process_group"] = _DEFAULT_GROUP
-        out["_stepped"], out["_taken"] = {}, set()
+        out["_stepped"] = {}
         out["_on_step"] = None  # a callback may be a closure or lambda: pass it again
         out["_leaves"], out["_norm"] = [], None
         return out
@@ -1290,6 +1288,21 @@ def _counting(state: ScalerState) -> ScalerState:
     ``skipped_steps``, ``consecutive_skips``, ``last_kind``, the skip limit) and changes
     nothing else. What ``update(new_scale)`` applies, since the scale is set by hand."""
     return dataclasses.replace(state, config=dataclasses.replace(state.config, dynamic=False))
+
+
+def _momentum_unborn(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether ``optimizer`` is an SGD with momentum holding a gradient whose parameter
+    has no momentum buffer yet (its next step is its first for that parameter)."""
+    if not isinstance(optimizer, torch.optim.SGD):
+        return False
+    state = optimizer.state
+    for group in optimizer.param_groups:
+        if group.get("momentum", 0) == 0:
+            continue
+        for param in group["params"]:
+            if param.grad is not None and state.get(param, {}).get("momentum_buffer") is None:
+                return True
+    return False
 
 
 def _takes_grad_scale(optimizer: torch.optim.Optimizer) -> bool:

@@ -168,11 +168,13 @@ def _fit(tmp_path: Path, as_on_a_gpu: Any, ours: bool) -> tuple[Any, dict[str, A
 
     scales: list[float] = []
     stepped: list[bool] = []
+    lrs: list[float] = []
 
     class Record(TrainerCallback):  # type: ignore[misc]
         def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
             scaler = trainer.accelerator.scaler
             scales.append(scaler.get_scale())
+            lrs.append(trainer.lr_scheduler.get_last_lr()[0])
             if isinstance(scaler, GradScaler):  # the optimizer inside the AcceleratedOptimizer
                 stepped.append(scaler.stepped(trainer.optimizer.optimizer))
 
@@ -187,8 +189,7 @@ def _fit(tmp_path: Path, as_on_a_gpu: Any, ours: bool) -> tuple[Any, dict[str, A
         use_cpu=True,
         max_steps=STEPS,
         per_device_train_batch_size=8,
-        learning_rate=1e-2,
-        lr_scheduler_type="constant",
+        learning_rate=1e-2,  # and the default schedule: linear decay, stepped per update
         report_to=[],
         save_strategy="no",
         logging_strategy="no",
@@ -213,6 +214,7 @@ def _fit(tmp_path: Path, as_on_a_gpu: Any, ours: bool) -> tuple[Any, dict[str, A
         "params": [p.detach().clone() for p in model.parameters()],
         "state": trainer.optimizer.state_dict()["state"],
         "scales": scales,
+        "lrs": lrs,
         "dtypes": model.dtypes,
         "fused": trainer.optimizer.optimizer.defaults["fused"],
         "stepped": stepped,
@@ -221,12 +223,15 @@ def _fit(tmp_path: Path, as_on_a_gpu: Any, ours: bool) -> tuple[Any, dict[str, A
 
 def test_install_in_the_trainer_trains_as_its_own_scaler(tmp_path: Path, as_on_a_gpu: Any) -> None:
     """The HF Trainer (``TrainingArguments(fp16=True)``, its clip at ``max_grad_norm=1``,
-    its default fused AdamW, which skips inside its kernel): ``install(trainer)`` before
-    ``train()``, bit for bit; after ``train()``, refused.
+    its default fused AdamW, which skips inside its kernel, and its default linear LR
+    schedule): ``install(trainer)`` before ``train()``, bit for bit, the learning rate
+    of every step included; after ``train()``, refused.
 
-    (With a fused optimizer accelerate's ``optimizer_step_was_skipped`` is always false
-    with PyTorch's scaler: its ``step`` calls a fused ``step`` on every step. So the skips
-    are read from the scales: each one a backoff.)"""
+    (With a fused optimizer accelerate's ``optimizer_step_was_skipped`` is false on every
+    step with PyTorch's scaler, whose ``step`` calls a fused ``step`` on every step, so
+    the Trainer steps its schedule on every update. scaler-core's did not call a step it
+    knew was skipped: the schedule fell one update behind per skip. The skips are read
+    from the scales, each one a backoff, and from ``stepped()``.)"""
     pytest.importorskip("transformers", reason="needs transformers (pip install transformers)")
     _, theirs = _fit(tmp_path, as_on_a_gpu, ours=False)
     trainer, ours = _fit(tmp_path, as_on_a_gpu, ours=True)
@@ -234,6 +239,8 @@ def test_install_in_the_trainer_trains_as_its_own_scaler(tmp_path: Path, as_on_a
     assert type(ours["scaler"]) is GradScaler
     _assert_trained_alike(ours, theirs)
     assert ours["fused"]
+    assert ours["lrs"] == theirs["lrs"]
+    assert len(set(ours["lrs"])) == STEPS  # the schedule moved on every update, skips too
     scales = [KWARGS["init_scale"], *ours["scales"]]
     skipped = [step for step in range(STEPS) if scales[step + 1] < scales[step]]
     assert skipped[:2] == [0, 1]
@@ -342,7 +349,8 @@ def test_an_fsdp1_scaler_becomes_scaler_cores_sharded_one(as_on_a_gpu: Any) -> N
     new = install(accelerator)
     assert type(new) is ShardedGradScaler
     assert new.config == sc.ScalerConfig(init_scale=2.0**7, backoff_factor=0.125)
-    assert repr(new._process_group) == "WORLD"  # the default group, looked up per step
+    assert new.process_group is None  # PyTorch's: the default group, looked up per step
+    assert new._group().handle is None  # what torch.distributed takes for the default group
 
 
 def _refusals(as_on_a_gpu: Any) -> Iterator[tuple[str, Any, dict[str, Any], type, str]]:

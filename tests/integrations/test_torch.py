@@ -264,12 +264,9 @@ def test_fused_optimizers_get_grad_scale_and_found_inf(cls: Any) -> None:
     opt.zero_grad()
     _backward(scaler, model)
     scaler.step(opt)
-    if cls is GradScaler:
-        # The skipped step is known on the host here: the optimizer is not called.
-        seen.insert(0, (None, None))
-    else:
-        assert float(seen[0][0]) == 16.0
-        assert seen[0][1].item() == 1.0  # called, skipped on found_inf
+    # Called on the skipped step too, as PyTorch's class calls it: skipped on found_inf.
+    assert float(seen[0][0]) == 16.0
+    assert seen[0][1].item() == 1.0
     assert seen[1][0] is None
     assert seen[1][1].item() == 0.0
     assert float(seen[2][0]) == 8.0
@@ -560,3 +557,94 @@ def test_a_second_step_of_a_fused_optimizer_raises_pytorchs_error(cls: Any) -> N
     scaler.step(opt)
     with pytest.raises(RuntimeError, match=r"^step\(\) has already been called since the last"):
         scaler.step(opt)
+
+
+# ------------------------------------------------ PyTorch's fused-step behaviour
+def _fused_run(cls: Any, make: Any, route: str, monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
+    """Steps of a fused optimizer with overflows at the first step and later ones, a
+    growth every 2 clean steps: what a framework can look at after each."""
+    from scaler_core.backends import _torch as torch_backend
+
+    if route == "device":  # an accelerator's route, driven with CPU tensors
+        monkeypatch.setattr(torch_backend, "reads_free", lambda device: False)
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 3)
+    opt = make(model.parameters())
+    calls: list[int] = []
+    opt.register_step_post_hook(lambda *_: calls.append(1))
+    scaler = cls("cpu", init_scale=2.0**10, growth_interval=2)
+    out: dict[str, Any] = {"calls": [], "stepped": [], "scales": [], "state_after_first": None}
+    for step in range(7):
+        x = torch.ones(2, 4) * (math.inf if step in (0, 3) else 1.0 + step)
+        scaler.scale(model(x).pow(2).sum()).backward()
+        scaler.step(opt)
+        out["calls"].append(len(calls))
+        if isinstance(scaler, GradScaler):
+            out["stepped"].append(scaler.stepped(opt))
+        scaler.update()
+        out["scales"].append(scaler.get_scale())
+        if step == 0:
+            out["state_after_first"] = copy.deepcopy(opt.state_dict())
+        opt.zero_grad()
+    monkeypatch.undo()
+    out["params"] = [p.detach().clone() for p in model.parameters()]
+    out["state"] = opt.state_dict()
+    return out
+
+
+def _assert_same_optimizer_state(ours: dict[str, Any], theirs: dict[str, Any]) -> None:
+    """Two ``optimizer.state_dict()``s hold the same state, tensor by tensor."""
+    assert ours["state"].keys() == theirs["state"].keys()
+    for key, state in ours["state"].items():
+        assert state.keys() == theirs["state"][key].keys()
+        for name, value in state.items():
+            assert torch.equal(value, theirs["state"][key][name]), (key, name)
+
+
+@pytest.mark.parametrize("route", ["host", "device"])
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda ps: torch.optim.AdamW(ps, lr=0.1, fused=True),
+        lambda ps: torch.optim.Adam(ps, lr=0.1, fused=True, amsgrad=True),
+        lambda ps: torch.optim.Adagrad(ps, lr=0.1, fused=True),
+        lambda ps: torch.optim.SGD(ps, lr=0.1, fused=True),  # no momentum: no buffers
+    ],
+    ids=["adamw", "adam-amsgrad", "adagrad", "sgd"],
+)
+def test_a_fused_optimizer_is_called_on_every_step_as_pytorchs(
+    make: Any, route: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """PyTorch's class calls a fused optimizer's step on a skipped step too, with the flag
+    as ``found_inf``; so does this one, on the CPU and on an accelerator's route (it used
+    not to call it where the skip was known on the host: accelerate then reported the
+    step skipped, and the HF Trainer held its LR schedule back). The state a skipped
+    first step creates, the parameters, the state after every step and the scales are
+    PyTorch's bit for bit; ``stepped()`` still tells the skips."""
+    theirs = _fused_run(torch.amp.GradScaler, make, "host", monkeypatch)
+    ours = _fused_run(GradScaler, make, route, monkeypatch)
+    assert ours["calls"] == theirs["calls"] == [1, 2, 3, 4, 5, 6, 7]
+    assert ours["stepped"] == [s not in (0, 3) for s in range(7)]
+    assert ours["scales"] == theirs["scales"]
+    assert max(ours["scales"]) > 2.0**9  # it grew after the backoffs
+    _assert_same_optimizer_state(ours["state_after_first"], theirs["state_after_first"])
+    for a, b in zip(ours["params"], theirs["params"], strict=True):
+        assert torch.equal(a, b)
+    _assert_same_optimizer_state(ours["state"], theirs["state"])
+
+
+@pytest.mark.parametrize("route", ["host", "device"])
+def test_a_fused_sgd_with_momentum_skipped_first_is_not_called_on_any_route(
+    route: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The one exception, the same on both routes: PyTorch's call would keep momentum
+    buffers of uninitialised memory. After its first real step it is called as usual."""
+    ours = _fused_run(
+        GradScaler,
+        lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, fused=True),
+        route,
+        monkeypatch,
+    )
+    assert ours["calls"] == [0, 1, 2, 3, 4, 5, 6]  # not called at step 0, called at step 3
+    assert ours["stepped"] == [s not in (0, 3) for s in range(7)]
+    assert ours["state_after_first"]["state"] == {}

@@ -57,6 +57,8 @@ OPTIONAL = frozenset(
         "jmp",
         "keras",
         "matplotlib",
+        "megatron",
+        "mmengine",
         "mpi4py",
         "numba",
         "optax",

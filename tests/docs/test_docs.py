@@ -29,6 +29,7 @@ OPTIONAL = {
     "scaler_core.accelerate": ("torch",),
     "scaler_core.megatron": ("torch", "megatron.core"),
     "scaler_core.mmengine": ("torch", "mmengine"),
+    "scaler_core.timm": ("torch", "timm"),
     "scaler_core.backends._torch": ("torch",),
     "scaler_core.backends._torch_host": ("torch",),
 }

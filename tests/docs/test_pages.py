@@ -50,6 +50,7 @@ OPTIONAL = frozenset(
     {
         "accelerate",
         "cupy",
+        "datasets",
         "equinox",
         "flax",
         "hypothesis",
@@ -63,9 +64,11 @@ OPTIONAL = frozenset(
         "numba",
         "optax",
         "sklearn",
+        "timm",
         "torch",
         "tqdm",
         "transformers",
+        "trl",
     }
 )
 _FENCE = re.compile(r"^```(\w*)\s*$")

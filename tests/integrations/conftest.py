@@ -6,7 +6,7 @@ import itertools
 import os
 import subprocess
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -54,3 +54,24 @@ def torch_ranks(tmp_path: Path) -> Callable[[str, str], list[dict[str, Any]]]:
         return [torch.load(o, weights_only=False) for o in outs]
 
     return run
+
+
+@pytest.fixture
+def as_on_a_gpu(repo_module: Any) -> Any:
+    """accelerate's float16 autocast and scaler turned on on the CPU, as on a GPU
+    (``torch_scripts/accelerate_gpu_path.py``)."""
+    return repo_module("tests/integrations/torch_scripts/accelerate_gpu_path.py").as_on_a_gpu
+
+
+@pytest.fixture
+def fresh_accelerate(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """accelerate keeps one process-wide state: a test that uses it starts and ends
+    without one (``pytestmark = pytest.mark.usefixtures("fresh_accelerate")``)."""
+    from accelerate.state import AcceleratorState, GradientState
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+    yield
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()

@@ -18,7 +18,6 @@ import math
 import re
 from collections.abc import Iterator
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import pytest
@@ -32,29 +31,11 @@ import scaler_core as sc  # noqa: E402
 from scaler_core.accelerate import install  # noqa: E402
 from scaler_core.torch import GradScaler, ShardedGradScaler  # noqa: E402
 
-pytestmark = pytest.mark.torch
+pytestmark = [pytest.mark.torch, pytest.mark.usefixtures("fresh_accelerate")]
 ROOT = Path(__file__).resolve().parents[2]
 STEPS = 12
 INF_AT = {6, 9}  # injected; the first steps overflow by themselves (init_scale 2**17)
 KWARGS = {"init_scale": 2.0**17, "growth_interval": 2}
-
-
-@pytest.fixture(autouse=True)
-def _fresh_accelerate(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    """accelerate keeps one process-wide state: each test starts and ends without one."""
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
-    yield
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
-
-
-@pytest.fixture
-def as_on_a_gpu(repo_module: Any) -> Any:
-    """accelerate's float16 autocast and scaler turned on on the CPU, as on a GPU."""
-    module: ModuleType = repo_module("tests/integrations/torch_scripts/accelerate_gpu_path.py")
-    return module.as_on_a_gpu
 
 
 class _Net(torch.nn.Module):

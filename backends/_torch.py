@@ -49,6 +49,7 @@ import numpy as np
 import torch
 
 from scaler_core._backend import Backend
+from scaler_core._coerce import flag_error, host_flag
 from scaler_core._errors import GradientTypeError, GradientValueError, LifecycleError
 from scaler_core._f32 import FLT_MIN
 from scaler_core._ops import as_flag, clip_coefficient
@@ -70,6 +71,7 @@ __all__ = [
     "TorchNamespace",
     "check_for_fused",
     "dtensor_type",
+    "host_flag_of",
     "inverse_scale",
     "kernel_takes",
     "reads_free",
@@ -262,6 +264,34 @@ def _any_over_shards(leaves: Sequence[_Leaf], flag: torch.Tensor) -> torch.Tenso
         wide = flag.to(leaf.local.device, torch.float32)
         _all_reduce(wide, cast(Any, leaf.spread), "MAX")
         flag = wide.to(flag.device) > 0
+    return flag
+
+
+def host_flag_of(found: Any, what: str, passed: str) -> bool:
+    """A step's flag as a frameworks' scaler is passed it, read on the host: a bool (a
+    NumPy bool too), or a one-element bool or float tensor (nonzero, NaN included, is
+    an overflow; reading it is one host synchronisation).
+
+    Args:
+        found: The flag.
+        what: Its name, for the message.
+        passed: What the framework passes, for the message.
+
+    Raises:
+        GradientTypeError: ``found`` is neither (another library's array, an int, a
+            tensor of another shape or dtype).
+    """
+    if isinstance(found, torch.Tensor):
+        if found.numel() != 1 or not (found.dtype == torch.bool or found.is_floating_point()):
+            raise flag_error(
+                what,
+                f"a {found.dtype} tensor of shape {list(found.shape)} (a bool, or a "
+                f"one-element bool or float tensor, is taken, as {passed})",
+            )
+        return bool(found.item() != 0)
+    flag = host_flag(found, what)
+    if flag is None:  # another library's array: not a flag the framework passes
+        raise flag_error(what, repr(found))
     return flag
 
 

@@ -61,12 +61,12 @@ with warnings.catch_warnings():
         MixedPrecisionOptimizer,
     )
 
-from ._coerce import flag_error, host_flag
 from ._config import ScalerConfig
 from ._errors import InvalidArgumentError, InvalidStateError
 from ._presets import preset
 from ._serialize import TORCH_STATE_KEY, from_dict, to_dict
 from ._state import ScalerState, host_update, init
+from .backends._torch import host_flag_of
 
 __all__ = ["MEGATRON_KEYS", "STATE_KEY", "GradScaler", "install"]
 
@@ -331,18 +331,7 @@ def _device(device: object) -> torch.device:
 
 
 def _flag(found: Any) -> bool:
-    if isinstance(found, torch.Tensor):
-        if found.numel() != 1 or not (found.dtype == torch.bool or found.is_floating_point()):
-            raise flag_error(
-                "found_inf",
-                f"a {found.dtype} tensor of shape {list(found.shape)} (a one-element bool "
-                f"or float tensor is taken, as Megatron's found_inf)",
-            )
-        return bool(found.item() != 0)
-    flag = host_flag(found, "found_inf")
-    if flag is None:  # another library's array: not a flag Megatron passes
-        raise flag_error("found_inf", repr(found))
-    return flag
+    return host_flag_of(found, "found_inf", "Megatron's found_inf")
 
 
 def _scale_value(value: object) -> object:

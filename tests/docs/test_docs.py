@@ -27,6 +27,7 @@ OPTIONAL = {
     "scaler_core.backends._numpy_kernels": ("numba",),
     "scaler_core.torch": ("torch",),
     "scaler_core.accelerate": ("torch",),
+    "scaler_core.deepspeed": ("torch", "deepspeed"),
     "scaler_core.megatron": ("torch", "megatron.core"),
     "scaler_core.mmengine": ("torch", "mmengine"),
     "scaler_core.timm": ("torch", "timm"),

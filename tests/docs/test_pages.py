@@ -51,6 +51,7 @@ OPTIONAL = frozenset(
         "accelerate",
         "cupy",
         "datasets",
+        "deepspeed",
         "equinox",
         "flax",
         "hypothesis",

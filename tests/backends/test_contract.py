@@ -321,16 +321,6 @@ def test_the_namespace_duties_are_every_member_the_core_reads() -> None:
     assert used == set(NAMESPACE_DUTIES)
 
 
-def test_the_reference_lists_every_namespace_duty() -> None:
-    """docs/reference.md's namespace table names the members of NAMESPACE_DUTIES, in order."""
-    page = (Path(__file__).parents[2] / "docs" / "reference.md").read_text(encoding="utf-8")
-    header = "| namespace member | how the core calls it | what it must give |"
-    rows = page[page.index(header) :].splitlines()[2:]
-    rows = rows[: next(i for i, row in enumerate(rows) if not row.startswith("|"))]
-    listed = [re.match(r"\| `(\w+)` \|", row).group(1) for row in rows]  # type: ignore[union-attr]
-    assert listed == list(NAMESPACE_DUTIES)
-
-
 def test_check_backend_needs_conversions_for_a_library_it_does_not_know() -> None:
     broken = _Delegating()
     with pytest.raises(sc.InvalidArgumentError, match="pass asarray="):

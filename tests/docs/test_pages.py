@@ -378,6 +378,20 @@ def backend_member_rows() -> dict[str, str]:
     return members
 
 
+def test_reference_lists_every_namespace_duty() -> None:
+    """docs/reference.md's namespace table names the members of NAMESPACE_DUTIES, in order."""
+    from scaler_core.testing import NAMESPACE_DUTIES
+
+    page = (DOCS / "reference.md").read_text(encoding="utf-8")
+    header = "| namespace member | how the core calls it | what it must give |"
+    assert header in page, f"docs/reference.md lost its namespace table headed {header!r}"
+    rows = page[page.index(header) :].splitlines()[2:]
+    rows = list(itertools.takewhile(lambda row: row.startswith("|"), rows))
+    listed = [re.match(r"\| `(\w+)` \|", row) for row in rows]
+    assert all(listed), rows
+    assert [m.group(1) for m in listed if m] == list(NAMESPACE_DUTIES)
+
+
 def test_reference_lists_every_backend_member() -> None:
     """The table names exactly the protocol's members: those a backend writes ("yes"),
     those the core writes once ("inherited"), and the optional ones."""

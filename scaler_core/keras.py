@@ -225,8 +225,8 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):  # type: ignore[m
         self, optimizer_variables: Any, grads: Any, trainable_variables: Any
     ) -> tuple[list[Any], list[Any]]:
         """Keras's stateless step (the JAX backend's ``fit``), with the core's transition."""
-        if not self.built:
-            raise ValueError(
+        if not self.built:  # Keras's message; a ValueError, as Keras's
+            raise InvalidArgumentError(
                 f"To call `stateless_apply`, {self.__class__.__name__} must be built (i.e. its "
                 f"variables must have been created). You can build it via "
                 f"`optimizer.build(trainable_variables)`."

@@ -31,10 +31,10 @@ from types import MappingProxyType
 from typing import Any
 
 from ._config import ScalerConfig
-from ._errors import InvalidConfigError
+from ._errors import InvalidArgumentError, InvalidConfigError
 from ._f32 import FLT_MIN, f32
 
-__all__ = ["PRESETS", "PresetInfo", "preset"]
+__all__ = ["PRESETS", "PresetInfo", "config_for", "preset"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -493,3 +493,37 @@ def preset(name: str, **kwargs: Any) -> ScalerConfig:
             f"{params} (the anchor's own parameter names)"
         )
     return info.factory(**kwargs)
+
+
+def config_for(config: object, *, example: str, no_spikes: str | None = None) -> ScalerConfig:
+    """``config`` as the policy an integration runs: a :class:`ScalerConfig`, or the name
+    of a preset; with ``no_spikes`` (why the framework gives the scaler no gradient
+    norm), a config with spike skipping on is refused. The one check every integration's
+    ``config=`` makes.
+
+    Args:
+        config: What the user passed as ``config=``.
+        example: A config to name in the message (``"scaler_core.preset('megatron')"``).
+        no_spikes: Why spike skipping cannot run here, or ``None`` where it can.
+
+    Raises:
+        InvalidArgumentError: ``config`` is neither; spike skipping is on where it
+            cannot run.
+        InvalidConfigError: ``config`` names no preset.
+
+    >>> config_for("megatron", example="'megatron'").hysteresis
+    2
+    """
+    if isinstance(config, str):
+        config = preset(config)
+    if not isinstance(config, ScalerConfig):
+        raise InvalidArgumentError(
+            f"config={config!r}, but it must be a ScalerConfig or a preset's name (for "
+            f"example {example})"
+        )
+    if no_spikes is not None and config.spike_threshold is not None:
+        raise InvalidArgumentError(
+            f"config.spike_threshold={config.spike_threshold!r}, but it must be None here: "
+            f"{no_spikes}"
+        )
+    return config

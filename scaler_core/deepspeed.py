@@ -64,7 +64,7 @@ with warnings.catch_warnings():
 from ._config import ScalerConfig
 from ._errors import InvalidArgumentError, InvalidStateError
 from ._f32 import INT32_MAX
-from ._presets import preset
+from ._presets import config_for, preset
 from ._serialize import TORCH_STATE_KEY, from_dict, to_dict
 from ._state import ScalerState, StepKind, host_update, init
 from .backends._torch import host_flag_of
@@ -172,7 +172,7 @@ class DynamicLossScaler(_DeepSpeedScaler):  # type: ignore[misc]
                 f"config= was given, and DeepSpeed's arguments {sorted(given)} too; set the "
                 f"scaler's numbers in one place (the config, or DeepSpeed's arguments)"
             )
-        _check_config(config)
+        config = _check_config(config)
         self._dtype = _dtype(dtype)
         self._state = init(config)
         self._cur_iter = 0
@@ -378,7 +378,7 @@ class DynamicLossScaler(_DeepSpeedScaler):  # type: ignore[misc]
             if getattr(scaler, "scale_factor", 2.0) != 2.0:  # noqa: PLR2004 - DeepSpeed's
                 given["scale_factor"] = scaler.scale_factor  # refused by the preset, named
             config = preset("deepspeed", **given)
-        _check_config(config)
+        config = _check_config(config)
         cur_iter, last = _counters(scaler.cur_iter, scaler.last_overflow_iter)
         clean = cur_iter - last - 1  # clean steps since the last overflow (or the start)
         base = to_dict(init(config))
@@ -407,17 +407,11 @@ class DynamicLossScaler(_DeepSpeedScaler):  # type: ignore[misc]
 
 # ----------------------------------------------------------------- internals
 def _check_config(config: object) -> ScalerConfig:
-    if not isinstance(config, ScalerConfig):
-        raise InvalidArgumentError(
-            f"config={config!r}, but it must be a ScalerConfig (for example "
-            f"scaler_core.preset('deepspeed', ...))"
-        )
-    if config.spike_threshold is not None:
-        raise InvalidArgumentError(
-            f"config.spike_threshold={config.spike_threshold!r}, but it must be None here: "
-            f"ZeRO calls update_scale(overflow) with no gradient norm"
-        )
-    return config
+    return config_for(
+        config,
+        example="scaler_core.preset('deepspeed', ...)",
+        no_spikes="ZeRO calls update_scale(overflow) with no gradient norm",
+    )
 
 
 def _dtype(dtype: object) -> torch.dtype:

@@ -57,7 +57,7 @@ from ._api import update
 from ._backend import backend_for
 from ._config import ScalerConfig
 from ._errors import InvalidArgumentError
-from ._presets import preset
+from ._presets import config_for, preset
 from ._registration import static_data
 from ._state import DATA_FIELDS, FLOAT_FIELDS, ScalerState, init, step_skipped
 
@@ -89,14 +89,11 @@ def _resolve(
             else dynamic_growth_steps,
         }
         cfg = preset("keras", **given)
-    elif isinstance(config, str):
-        cfg = preset(config)
-    elif isinstance(config, ScalerConfig):
-        cfg = config
     else:
-        raise InvalidArgumentError(
-            f"config={config!r}, but it must be a ScalerConfig or a preset name "
-            f"(config='keras', config=scaler_core.preset('torch'))"
+        cfg = config_for(
+            config,
+            example="config='keras', config=scaler_core.preset('torch')",
+            no_spikes="Keras gives the optimizer no gradient norm",
         )
     for name, value, own in (
         ("initial_scale", initial_scale, cfg.init_scale),
@@ -108,12 +105,8 @@ def _resolve(
                 f"arguments go through the keras preset: config=scaler_core.preset('keras', "
                 f"{name}={value!r}))"
             )
-    if cfg.spike_threshold is not None:
-        raise InvalidArgumentError(
-            f"config.spike_threshold={cfg.spike_threshold!r}, but scaler_core.keras does not "
-            f"support spike skipping (Keras gives it no gradient norm); use "
-            f"spike_threshold=None"
-        )
+    if cfg.spike_threshold is not None:  # the keras preset given spike skipping
+        config_for(cfg, example="", no_spikes="Keras gives the optimizer no gradient norm")
     return cfg
 
 

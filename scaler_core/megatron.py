@@ -63,7 +63,7 @@ with warnings.catch_warnings():
 
 from ._config import ScalerConfig
 from ._errors import InvalidArgumentError, InvalidStateError
-from ._presets import preset
+from ._presets import config_for, preset
 from ._serialize import TORCH_STATE_KEY, from_dict, to_dict
 from ._state import ScalerState, host_update, init
 from .backends._torch import host_flag_of
@@ -155,7 +155,7 @@ class GradScaler(MegatronGradScaler):  # type: ignore[misc]
                 f"config= was given, and Megatron's arguments {sorted(given)} too; set the "
                 f"scaler's numbers in one place (the config, or Megatron's arguments)"
             )
-        _check_config(config)
+        config = _check_config(config)
         self._device = _device(device)
         self._state = init(config)
         self._scale = self._scale_tensor(self._state.scale)
@@ -304,17 +304,12 @@ class GradScaler(MegatronGradScaler):  # type: ignore[misc]
         return f"GradScaler(config={self.config!r}, device={str(self._device)!r})"
 
 
-def _check_config(config: object) -> None:
-    if not isinstance(config, ScalerConfig):
-        raise InvalidArgumentError(
-            f"config={config!r}, but it must be a ScalerConfig (for example "
-            f"scaler_core.preset('megatron', ...))"
-        )
-    if config.spike_threshold is not None:
-        raise InvalidArgumentError(
-            f"config.spike_threshold={config.spike_threshold!r}, but it must be None here: "
-            f"Megatron's optimizer calls update(found_inf) with no gradient norm"
-        )
+def _check_config(config: object) -> ScalerConfig:
+    return config_for(
+        config,
+        example="scaler_core.preset('megatron', ...)",
+        no_spikes="Megatron's optimizer calls update(found_inf) with no gradient norm",
+    )
 
 
 def _device(device: object) -> torch.device:

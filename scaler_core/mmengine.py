@@ -56,7 +56,7 @@ with warnings.catch_warnings():
 
 from ._config import ScalerConfig
 from ._errors import InvalidArgumentError, LifecycleError
-from ._presets import preset
+from ._presets import config_for
 from .torch import GradScaler, ShardedGradScaler
 
 __all__ = ["NAME", "ScalerCoreAmpOptimWrapper"]
@@ -197,15 +197,7 @@ def _scaler_options(loss_scale: object, config: object) -> dict[str, Any]:
         )
     if config is None:
         return options
-    if isinstance(config, str):
-        resolved = preset(config)
-    elif isinstance(config, ScalerConfig):
-        resolved = config
-    else:
-        raise InvalidArgumentError(
-            f"config={config!r}, but it must be a ScalerConfig or a preset's name "
-            f'(such as "megatron")'
-        )
+    resolved = config_for(config, example='config="megatron"')
     if isinstance(loss_scale, float) or any(name in options for name in _NUMBERS):
         raise InvalidArgumentError(
             f"config={config!r} was given with loss_scale={loss_scale!r}; set the scaler's "

@@ -8,15 +8,14 @@ leaf or scale gives the same error class and message on every backend. (Flags an
 from __future__ import annotations
 
 import math
-import numbers
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from scaler_core._errors import GradientTypeError, GradientValueError
-from scaler_core._f32 import f32, is_normal_f32
+from scaler_core._coerce import host_inverse_scale
+from scaler_core._errors import GradientTypeError
 
 __all__ = [
     "ACCEPTED",
@@ -83,32 +82,8 @@ HALF_DTYPES = _Dtypes((np.dtype(np.float16),), bfloat16=True)
 ACCEPTED = "float16, bfloat16, float32 or float64"
 
 
-def inv_scale_of(scale: Any) -> float:
-    """``f32(1 / f64(scale))`` after checking ``scale`` is a positive normal float32.
-
-    Args:
-        scale: A Python or NumPy real number, or a 0-d NumPy array.
-
-    Raises:
-        GradientValueError: ``scale`` is not a real number, or not a positive,
-            finite, normal float32 value.
-
-    >>> inv_scale_of(65536.0)
-    1.52587890625e-05
-    """
-    if isinstance(scale, np.ndarray) and scale.shape == ():
-        scale = scale[()]
-    if isinstance(scale, (bool, np.bool_)) or not isinstance(scale, numbers.Real):
-        raise GradientValueError(
-            f"scale={scale!r}, but it must be a real number; pass state.scale or a float"
-        )
-    value = float(scale)
-    if not is_normal_f32(value):
-        raise GradientValueError(
-            f"scale={scale!r}, but it must be a positive, finite, normal float32 value; "
-            f"pass the scale of a valid ScalerState"
-        )
-    return f32(1.0 / f32(value))
+#: ``f32(1 / f64(scale))`` after checking ``scale``: the core's one statement of it.
+inv_scale_of = host_inverse_scale
 
 
 @dataclass(frozen=True)

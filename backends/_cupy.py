@@ -568,6 +568,7 @@ class CupyNamespace:
     float64_missing = None
     float32, float64, int32 = cupy.float32, cupy.float64, cupy.int32
     isfinite = staticmethod(cupy.isfinite)
+    isdtype = staticmethod(cupy.isdtype)
     maximum = staticmethod(cupy.maximum)
     minimum = staticmethod(cupy.minimum)
     logical_or = staticmethod(cupy.logical_or)

@@ -203,6 +203,7 @@ class JaxNamespace:
     where = staticmethod(jnp.where)
     logical_or = staticmethod(jnp.logical_or)
     isfinite = staticmethod(jnp.isfinite)
+    isdtype = staticmethod(jnp.isdtype)
     maximum = staticmethod(jnp.maximum)
     minimum = staticmethod(jnp.minimum)
     float32, float64, int32 = jnp.float32, jnp.float64, jnp.int32

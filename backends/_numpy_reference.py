@@ -7,12 +7,13 @@ answer for (overlapping arrays).
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import numpy as np
 
 from scaler_core._backend import Backend
-from scaler_core._errors import GradientValueError
+from scaler_core._errors import GradientValueError, InvalidArgumentError
 from scaler_core._ops import clip_coefficient
 from scaler_core._tree import leaves_with_paths, map_pairs
 
@@ -122,6 +123,33 @@ class Prepared:
         self.shared: bool | None = None
 
 
+#: Per dtype and kind, the answer of :func:`_isdtype` (a dict lookup after the first).
+_KINDS: dict[tuple[Any, str], bool] = {}
+
+
+def _isdtype(dtype: Any, kind: str) -> bool:
+    key = (dtype, kind)
+    try:
+        return _KINDS[key]
+    except (KeyError, TypeError):  # TypeError: an unhashable "dtype"
+        pass
+    try:
+        d = np.dtype(dtype)
+    except TypeError:
+        return False
+    if kind == "bool":
+        out = bool(d == np.dtype(np.bool_))
+    elif kind == "real floating":
+        out = d.kind == "f" or d in HALF_DTYPES
+    else:
+        raise InvalidArgumentError(
+            f"kind={kind!r}, but the host namespace answers 'bool' and 'real floating'"
+        )
+    with contextlib.suppress(TypeError):
+        _KINDS[key] = out
+    return out
+
+
 class HostNamespace:
     """NumPy as :meth:`scaler_core.Backend.namespace` describes it: flags are
     ``numpy.bool_`` values, decided and advanced on the host."""
@@ -141,6 +169,12 @@ class HostNamespace:
     @staticmethod
     def is_array(value: Any) -> bool:
         return isinstance(value, np.ndarray | np.generic)
+
+    @staticmethod
+    def isdtype(dtype: Any, kind: str) -> bool:
+        """The Array API's ``isdtype`` for the kinds the core asks (``"bool"``, ``"real
+        floating"``), NumPy 1 too; bfloat16 is a real floating dtype."""
+        return _isdtype(dtype, kind)
 
     @staticmethod
     def read(flag: Any) -> bool:

@@ -50,7 +50,12 @@ import torch
 
 from scaler_core._backend import Backend
 from scaler_core._coerce import flag_error, host_flag
-from scaler_core._errors import GradientTypeError, GradientValueError, LifecycleError
+from scaler_core._errors import (
+    GradientTypeError,
+    GradientValueError,
+    InvalidArgumentError,
+    LifecycleError,
+)
 from scaler_core._f32 import FLT_MIN
 from scaler_core._ops import as_flag, clip_coefficient
 from scaler_core._tree import leaves_with_paths, map_pairs
@@ -538,6 +543,17 @@ class TorchNamespace:
     @staticmethod
     def isfinite(a: torch.Tensor) -> torch.Tensor:
         return torch.isfinite(a)
+
+    @staticmethod
+    def isdtype(dtype: Any, kind: str) -> bool:
+        """The Array API's ``isdtype`` for the kinds the core asks (torch has none)."""
+        if kind == "bool":
+            return dtype is torch.bool
+        if kind == "real floating":
+            return isinstance(dtype, torch.dtype) and dtype.is_floating_point
+        raise InvalidArgumentError(
+            f"kind={kind!r}, but the torch namespace answers 'bool' and 'real floating'"
+        )
 
     @staticmethod
     def maximum(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:

@@ -1,28 +1,23 @@
-"""The backend protocol, the backend registry and dispatch from arrays.
+"""The backend protocol, backends by name, and dispatch from arrays.
 
 A backend provides one array library's fused passes and its array namespace; the
 operations on flags are written once, here (the protocol's default methods, over
 ``scaler_core._ops``), and every operation on gradients in ``scaler_core._ops``.
-Backends are looked up by name or from the arrays themselves: the leaf's type
-names its top-level module (``numpy``, ``cupy``, ``jax``/``jaxlib``, ``torch``), which is
-necessarily imported already, so dispatch never imports a library the user has
-not imported. Backend modules themselves load lazily, on first use.
+Backends are looked up by name or from the arrays themselves, through the registry
+(``scaler_core._registry``: a leaf's type names its top-level module, which is
+necessarily imported already, so dispatch never imports a library the user has not
+imported). Backend modules themselves load lazily, on first use.
 """
 
 from __future__ import annotations
 
-import importlib
 import inspect
-import sys
-import threading
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
-from . import _ops
+from . import _ops, _registry
 from ._errors import BackendUnavailableError, GradientTypeError, InvalidArgumentError
 from ._state import ScalerState
-from ._tree import leaves_with_paths
 
 __all__ = [
     "BACKEND_MEMBERS",
@@ -199,9 +194,11 @@ class Backend(Protocol):
           arrays, one of the same shape and dtype); the dtypes ``float32`` and
           ``float64``, also called as ``float32(x)`` to make a 0-d value, and
           ``int32``; ``isfinite`` (false for NaN and +-inf), ``maximum`` and
-          ``minimum``; and ``float64_missing``: ``None`` where float64 is exact,
-          else how to enable it (JAX without x64), so factors that are not
-          float32 values are refused.
+          ``minimum``; ``isdtype(dtype, kind)``, the Array API's, for the kinds
+          ``"bool"`` (is this a flag) and ``"real floating"`` (is this a norm), so
+          the core never reads a dtype's name; and ``float64_missing``: ``None``
+          where float64 is exact, else how to enable it (JAX without x64), so
+          factors that are not float32 values are refused.
 
         The arrays are computed with by operators (``+ - * /``, comparisons, and
         ``& | ~`` on booleans) and a device state is read back with ``float()``
@@ -295,18 +292,6 @@ def missing_members(obj: object) -> list[str]:
     return missing
 
 
-@dataclass(frozen=True)
-class _Entry:
-    loader: Callable[[], Backend]
-    array_modules: tuple[str, ...]
-
-
-_REGISTRY: dict[str, _Entry] = {}
-_LOADED: dict[str, Backend] = {}
-_TYPE_CACHE: dict[type, str] = {}
-_LOCK = threading.Lock()
-
-
 def register_backend(
     name: str,
     loader: Callable[[], Backend],
@@ -316,7 +301,9 @@ def register_backend(
 ) -> None:
     """Register a backend so it can be found by name and from its arrays.
 
-    Third-party array libraries plug in here without editing scaler-core.
+    Third-party array libraries plug in here without editing scaler-core. A library
+    whose arrays carry the Array API standard's ``__array_namespace__`` needs no
+    registration: the ``array_api`` backend serves it; register one to replace it.
 
     Args:
         name: The backend's name, as passed to ``get_backend`` or ``backend=``.
@@ -328,66 +315,17 @@ def register_backend(
 
     Raises:
         InvalidArgumentError: ``name`` is not a non-empty str, ``name`` is taken
-            (and ``replace`` is false), or a module is already owned by another
-            backend.
+            (and ``replace`` is false), a module name is not a top-level name, or a
+            module is already owned by another backend.
 
     >>> register_backend("mylib", lambda: get_backend("numpy"), array_modules=["mylib"])
     >>> get_backend("mylib").name
     'numpy'
     """
-    if not isinstance(name, str) or not name:
-        raise InvalidArgumentError(f"name={name!r}, but it must be a non-empty str")
-    if not callable(loader):
-        raise InvalidArgumentError(
-            f"loader={loader!r}, but it must be a callable that returns the backend"
-        )
-    modules = tuple(array_modules)
-    with _LOCK:
-        if name in _REGISTRY and not replace:
-            raise InvalidArgumentError(
-                f"name={name!r} is already a registered backend; pass replace=True to replace it"
-            )
-        for other, entry in _REGISTRY.items():
-            clash = set(entry.array_modules) & set(modules)
-            if other != name and clash:
-                raise InvalidArgumentError(
-                    f"array_modules={sorted(clash)!r} already belong to backend {other!r}"
-                )
-        _REGISTRY[name] = _Entry(loader, modules)
-        _LOADED.pop(name, None)
-        _TYPE_CACHE.clear()
+    _registry.register(name, loader, array_modules=array_modules, replace=replace)
 
 
-def _load_module_backend(module: str) -> Callable[[], Backend]:
-    def load() -> Backend:
-        return importlib.import_module(module).BACKEND  # type: ignore[no-any-return]
-
-    return load
-
-
-register_backend(
-    "numpy", _load_module_backend("scaler_core.backends._numpy"), array_modules=["numpy"]
-)
-register_backend("cupy", _load_module_backend("scaler_core.backends._cupy"), array_modules=["cupy"])
-register_backend(
-    "jax", _load_module_backend("scaler_core.backends._jax"), array_modules=["jax", "jaxlib"]
-)
-register_backend(
-    "torch", _load_module_backend("scaler_core.backends._torch"), array_modules=["torch"]
-)
-
-
-#: How to get each built-in backend's library, for the error when it does not load.
-_INSTALL = {
-    "numpy": "numpy and ml_dtypes come with scaler-core: reinstall it (pip install scaler-core)",
-    "cupy": "install it with pip install 'scaler-core[cupy]' (CUDA 13) or "
-    "'scaler-core[cupy-cuda12]'",
-    "jax": "install it with pip install 'scaler-core[jax]'",
-    "torch": "install it with pip install 'scaler-core[torch]'",
-}
-
-
-def get_backend(name: str | Backend = "numpy") -> Backend:
+def get_backend(name: str | Backend = _registry.DEFAULT) -> Backend:
     """The backend registered as ``name`` (a :class:`Backend` passes through).
 
     Raises:
@@ -406,34 +344,16 @@ def get_backend(name: str | Backend = "numpy") -> Backend:
             f"__getattr__ do not count)"
         )
         raise InvalidArgumentError(
-            f"backend={name!r}, but it must be a backend name {sorted(_REGISTRY)!r} or a "
-            f"Backend{lacks}"
+            f"backend={name!r}, but it must be a backend name {_registry.registered()!r} or "
+            f"a Backend{lacks}"
         )
-    loaded = _LOADED.get(name)
-    if loaded is not None:
-        return loaded
-    entry = _REGISTRY.get(name)
-    if entry is None:
-        raise BackendUnavailableError(
-            f"backend={name!r} is not registered; known backends: {sorted(_REGISTRY)!r} "
-            f"(third-party backends register with scaler_core.register_backend)"
-        )
-    try:
-        backend = entry.loader()
-    except ImportError as exc:
-        if isinstance(exc, BackendUnavailableError):
-            raise
-        hint = _INSTALL.get(name, "install the library its array types come from")
-        raise BackendUnavailableError(f"backend={name!r} is unavailable: {exc}; {hint}") from exc
-    with _LOCK:
-        _LOADED[name] = backend
-    return backend
+    return _registry.load(name)  # type: ignore[no-any-return]
 
 
 def available_backends() -> list[str]:
     """Names of the registered backends that load on this machine."""
     out = []
-    for name in sorted(_REGISTRY):
+    for name in _registry.registered():
         try:
             get_backend(name)
         except BackendUnavailableError:
@@ -442,37 +362,7 @@ def available_backends() -> list[str]:
     return out
 
 
-def _backend_name_of(value: Any) -> str | None:
-    typ = type(value)
-    name = _TYPE_CACHE.get(typ)
-    if name is None:
-        top = typ.__module__.partition(".")[0]
-        for candidate, entry in _REGISTRY.items():
-            if top in entry.array_modules:
-                name = candidate
-                break
-        else:
-            return None
-        _TYPE_CACHE[typ] = name
-    return name
-
-
-def _dispatch_leaves(tree: Any, root: str) -> Iterable[tuple[str, Any]]:
-    """Leaves for dispatch; JAX pytree nodes (registered dataclasses, equinox
-    modules) are opened with ``jax.tree_util`` when JAX is already loaded."""
-    for path, leaf in leaves_with_paths(tree, root):
-        jax = sys.modules.get("jax")
-        if jax is None or _backend_name_of(leaf) is not None:
-            yield path, leaf
-            continue
-        inner = jax.tree_util.tree_leaves(leaf)
-        if len(inner) == 1 and inner[0] is leaf:
-            yield path, leaf
-        else:
-            yield from ((path, x) for x in inner)
-
-
-def backend_for(*trees: Any, default: str = "numpy", root: str = "grads") -> Backend:
+def backend_for(*trees: Any, default: str = _registry.DEFAULT, root: str = "grads") -> Backend:
     """The backend that owns every leaf of ``trees``.
 
     Trees with no leaves at all get ``default``. ``root`` names a single tree in
@@ -482,26 +372,28 @@ def backend_for(*trees: Any, default: str = "numpy", root: str = "grads") -> Bac
         GradientTypeError: A leaf belongs to no registered backend, or leaves
             come from two array libraries.
     """
-    found: str | None = None
+    found: _registry.Claim | None = None
     first_path = ""
     for i, tree in enumerate(trees):
         root = root if len(trees) == 1 else f"trees[{i}]"
-        for path, leaf in _dispatch_leaves(tree, root):
-            name = _backend_name_of(leaf)
-            if name is None:
+        for path, leaf in _registry.dispatch_leaves(tree, root):
+            owner = _registry.claim(leaf)
+            if owner is None:
                 raise GradientTypeError(
                     f"{path} is a {type(leaf).__module__}.{type(leaf).__qualname__}, which no "
                     f"backend handles; pass arrays of a supported library "
-                    f"{sorted(_REGISTRY)!r} or register a backend for it"
+                    f"{_registry.registered()!r} (or arrays with __array_namespace__), or "
+                    f"register a backend for it"
                 )
             if found is None:
-                found, first_path = name, path
-            elif name != found:
+                found, first_path = owner, path
+            elif owner.library != found.library:
                 raise GradientTypeError(
-                    f"{path} is a {name} array but {first_path} is a {found} array; one call "
-                    f"takes arrays of one library: convert them, or make one call per library"
+                    f"{path} is a {owner.library} array but {first_path} is a {found.library} "
+                    f"array; one call takes arrays of one library: convert them, or make one "
+                    f"call per library"
                 )
-    return get_backend(found or default)
+    return get_backend(default if found is None else found.backend)
 
 
 def resolve_backend(backend: str | Backend | None, *trees: Any) -> Backend:

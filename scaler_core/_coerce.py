@@ -13,11 +13,14 @@ is ever imported.
 from __future__ import annotations
 
 import math
+import numbers
 import sys
 from typing import Any
 
+from . import _registry
 from ._config import ScalerConfig, shown
 from ._errors import GradientTypeError, GradientValueError, InvalidArgumentError
+from ._f32 import f32, is_normal_f32
 
 __all__ = [
     "FLAG_MUST",
@@ -27,6 +30,7 @@ __all__ = [
     "device_norm",
     "flag_error",
     "host_flag",
+    "host_inverse_scale",
     "host_norm",
     "mixed_error",
     "module_library",
@@ -51,9 +55,10 @@ def flag_error(what: str, shown: str) -> GradientTypeError:
 def host_flag(found: object, what: str = "found_non_finite") -> bool | None:
     """``found`` as a Python bool when it is a host flag, else ``None``.
 
-    Host flags: ``bool``, NumPy's ``bool_`` and 0-d NumPy boolean arrays (checked
-    by type name, so NumPy is never imported here). ``None`` means "not a host
-    value": a device array, for its backend to check.
+    Host flags: ``bool``, and the host library's 0-d booleans (NumPy's ``bool_`` and
+    0-d boolean arrays, told by the registry and the host namespace's ``isdtype``, so
+    NumPy is never imported here). ``None`` means "not a host value": a device array,
+    for its backend to check.
 
     Raises:
         GradientTypeError: ``found`` is an int, a float, another non-bool, or a
@@ -61,9 +66,8 @@ def host_flag(found: object, what: str = "found_non_finite") -> bool | None:
     """
     if isinstance(found, bool):
         return found
-    typ = type(found)
-    if typ.__module__ == "numpy":
-        if str(getattr(found, "dtype", "")) == "bool" and getattr(found, "shape", None) == ():
+    if _host_array(found):
+        if _is_0d(found, "bool"):
             return bool(found)
         raise flag_error(what, repr(found))
     if (
@@ -72,6 +76,35 @@ def host_flag(found: object, what: str = "found_non_finite") -> bool | None:
     ):
         raise flag_error(what, repr(found))  # a container of flags is not a flag either
     return None
+
+
+# ----------------------------------------------------------------------- scales
+def host_inverse_scale(scale: Any) -> float:
+    """``f32(1 / f64(scale))`` after checking ``scale`` is a positive normal float32.
+
+    Args:
+        scale: A Python real number, or a host library's real scalar or 0-d array.
+
+    Raises:
+        GradientValueError: ``scale`` is not a real number (a bool, a string, an
+            array of another shape), or not a positive, finite, normal float32 value.
+
+    >>> host_inverse_scale(65536.0)
+    1.52587890625e-05
+    """
+    if _host_array(scale) and getattr(scale, "shape", None) == ():
+        scale = scale[()]  # a 0-d host array: its scalar (a bool stays a bool)
+    if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
+        raise GradientValueError(
+            f"scale={scale!r}, but it must be a real number; pass state.scale or a float"
+        )
+    value = float(scale)
+    if not is_normal_f32(value):
+        raise GradientValueError(
+            f"scale={scale!r}, but it must be a positive, finite, normal float32 value; "
+            f"pass the scale of a valid ScalerState"
+        )
+    return f32(1.0 / f32(value))
 
 
 # ------------------------------------------------------------- gradient norms
@@ -94,9 +127,9 @@ def norm_missing_error(cfg: ScalerConfig) -> InvalidArgumentError:
 def host_norm(value: object, what: str = "grad_norm") -> float | None:
     """``value`` as a Python float when it is a host norm, else ``None`` (a device array).
 
-    Host norms: ``int`` and ``float`` (not ``bool``), NumPy floating scalars and
-    0-d NumPy float arrays, ml_dtypes scalars (bfloat16), checked by type name so
-    NumPy is never imported here. A norm is ``>= 0``, NaN or ``+inf``.
+    Host norms: ``int`` and ``float`` (not ``bool``), and the host library's 0-d
+    floats (NumPy's floating scalars and 0-d float arrays, ml_dtypes' bfloat16), told
+    as :func:`host_flag` tells its flags. A norm is ``>= 0``, NaN or ``+inf``.
 
     Raises:
         GradientTypeError: ``value`` is a bool, a string, a container, a complex
@@ -117,9 +150,8 @@ def host_norm(value: object, what: str = "grad_norm") -> float | None:
                     f"overflowed, or the norm returned by scaler_core.unscale_and_norm() or "
                     f"unscale_and_clip()"
                 ) from None
-    elif type(value).__module__ in _NUMPY_MODULES:
-        dtype = str(getattr(value, "dtype", ""))
-        if not dtype.startswith(("float", "bfloat")) or getattr(value, "shape", None) != ():
+    elif _host_array(value):
+        if not _is_0d(value, "real floating"):
             raise GradientTypeError(f"{what}={value!r}, but {NORM_MUST}")
         out = float(value)  # type: ignore[arg-type]
     elif isinstance(value, (bool, complex, str, bytes, list, tuple, dict, set)) or value is None:
@@ -141,32 +173,35 @@ def device_norm(value: object, what: str = "grad_norm") -> Any:
     Raises:
         GradientTypeError: It is not (see :func:`host_norm` for host values).
     """
-    shape, dtype = getattr(value, "shape", None), getattr(value, "dtype", None)
-    name = str(dtype).removeprefix("torch.")
-    if shape is None or tuple(shape) != () or not name.startswith(("float", "bfloat")):
+    if _registry.claim(value) is None or not _is_0d(value, "real floating"):
         raise GradientTypeError(f"{what}={describe(value)}, but {NORM_MUST}")
     return value
 
 
-#: Modules of NumPy's host values (ml_dtypes holds NumPy's bfloat16 scalars).
-_NUMPY_MODULES = frozenset({"numpy", "ml_dtypes"})
-#: Modules whose values are host values: they go with every array library.
-_HOST_MODULES = _NUMPY_MODULES | {"builtins"}
-#: JAX's concrete arrays live in ``jaxlib``, its tracers in ``jax``: one library.
-_SAME_LIBRARY = {"jaxlib": "jax"}
+def _host_array(value: object) -> bool:
+    """Whether ``value`` is a value of the host library (not a Python builtin)."""
+    return type(value).__module__ != "builtins" and _registry.is_host(value)
+
+
+def _is_0d(value: object, kind: str) -> bool:
+    """Whether ``value`` is a 0-d array or scalar whose dtype its backend's namespace
+    says is of ``kind`` (``"bool"``, ``"real floating"``)."""
+    shape, dtype = getattr(value, "shape", None), getattr(value, "dtype", None)
+    if shape is None or dtype is None or tuple(shape) != ():
+        return False
+    return bool(_registry.namespace_of(value).isdtype(dtype, kind))
 
 
 def module_library(value: object) -> str:
-    """The library ``value``'s type comes from (its top-level module; ``jaxlib`` is ``jax``)."""
-    top = type(value).__module__.partition(".")[0]
-    return _SAME_LIBRARY.get(top, top)
+    """The library ``value`` comes from, as messages name it (``jax`` for jaxlib's
+    arrays): the registry's answer."""
+    return _registry.library_of(value)
 
 
 def array_library(value: object) -> str | None:
     """The array library of a device value; ``None`` for a host value (a Python
     number or bool, a NumPy or ml_dtypes value), which goes with every library."""
-    library = module_library(value)
-    return None if library in _HOST_MODULES else library
+    return None if _registry.is_host(value) else _registry.library_of(value)
 
 
 def describe(value: object) -> str:

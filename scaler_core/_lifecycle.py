@@ -569,7 +569,7 @@ class GradScaler:
     def _backend_for(self, values: Any, what: str = "grads") -> Backend:
         if self._backend is None:
             if values is None:
-                return get_backend("numpy")
+                return get_backend()
             self._backend = backend_for(values, root=what)
         return self._backend
 

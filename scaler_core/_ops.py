@@ -26,10 +26,10 @@ import numbers
 from collections.abc import Callable
 from typing import Any
 
-from ._coerce import describe, flag_error, host_flag
+from ._coerce import describe, flag_error, host_flag, host_inverse_scale
 from ._config import shown
 from ._errors import GradientValueError, InvalidArgumentError, InvalidConfigError
-from ._f32 import FLT_MAX, f32, is_f32_exact
+from ._f32 import FLT_MAX, FLT_MIN, f32, is_f32_exact
 from ._state import ScalerState, device_update, host_update, require_state
 
 __all__ = [
@@ -102,6 +102,38 @@ def clip_coefficient(xp: Any, norm: Any, max_norm: float) -> Any:
     one = xp.asarray(1.0, dtype=xp.float32)
     denominator = norm + xp.asarray(CLIP_EPS, dtype=xp.float32)
     return xp.minimum((one / denominator) * xp.asarray(max_norm, dtype=xp.float32), one)
+
+
+def inverse_scale(xp: Any, scale: Any) -> Any:
+    """``f32(1 / f64(scale))``, a float32 value of ``xp``'s library: what a pass
+    multiplies the gradients by.
+
+    A host scale (a number, a NumPy scalar or 0-d array) is checked here and refused
+    if it is not a positive normal float32. A 0-d float array of ``xp``'s library (a
+    device state's scale) is not read back: where it is not a positive normal float32
+    the inverse is NaN, so every unscaled gradient is NaN and the step's flag is set
+    (fail closed) instead of flipping or zeroing the gradients. In float32 the
+    correctly rounded ``1 / s`` equals ``f32(1 / f64(s))`` (53 >= 2 * 24 + 2), so the
+    device form needs no float64.
+
+    Raises:
+        GradientValueError: A host scale that is not a positive normal float32, or
+            an array scale that is not a 0-d float.
+
+    >>> from scaler_core import get_backend
+    >>> float(inverse_scale(get_backend("numpy").namespace(), 65536.0))
+    1.52587890625e-05
+    """
+    if xp.on_host or not xp.is_array(scale):
+        return xp.float32(host_inverse_scale(scale))
+    if tuple(scale.shape) != () or not xp.isdtype(scale.dtype, "real floating"):
+        raise GradientValueError(
+            f"scale={describe(scale)}, but a device scale must be a 0-d float array; pass "
+            f"state.scale"
+        )
+    s = xp.asarray(scale, dtype=xp.float32)
+    valid = xp.isfinite(s) & (s >= xp.float32(FLT_MIN))
+    return xp.where(valid, xp.float32(1.0) / s, xp.float32(math.nan))
 
 
 def _given(scale: Any) -> Any:
@@ -256,17 +288,13 @@ def as_flag(xp: Any, found: Any, what: str = "found") -> Any:
             another shape or dtype, a container); the message names ``what``.
     """
     if not xp.on_host and xp.is_array(found):  # a device flag: the common case, first
-        if tuple(found.shape) == () and str(found.dtype) in _BOOL_DTYPES:
+        if tuple(found.shape) == () and xp.isdtype(found.dtype, "bool"):
             return found
         raise flag_error(what, describe(found))
     host = host_flag(found, what)
     if host is None:
         raise flag_error(what, describe(found))
     return xp.flag(host)
-
-
-#: How the array libraries spell the boolean dtype (``torch.bool`` for torch).
-_BOOL_DTYPES = frozenset({"bool", "torch.bool"})
 
 
 def to_bool(backend: Any, found: Any) -> bool:

@@ -253,8 +253,8 @@ NAMESPACE_DUTIES: Mapping[str, str] = MappingProxyType(
         "float64_missing": "float64_missing must be None where float64 is exact, else a str "
         "saying how to enable it",
         "flag": "flag(value) must return a flag holding the bool value: where on_host, a "
-        "bool or numpy.bool_; else a 0-d array of its library whose str(dtype) is 'bool' "
-        "(or 'torch.bool'), made on its device",
+        "bool or numpy.bool_; else a 0-d array of its library whose dtype isdtype calls "
+        "'bool', made on its device",
         "read": "read(flag) must return the flag's value as a Python bool (the one host "
         "synchronisation)",
         "is_array": "is_array(value) must return whether value is an array of its library "
@@ -276,6 +276,9 @@ NAMESPACE_DUTIES: Mapping[str, str] = MappingProxyType(
         "callable: float64(x) is x as a float64 value arrays compute with (exact where "
         "float64_missing is None)",
         "int32": "int32 must be a dtype asarray(value, dtype=int32) takes",
+        "isdtype": "isdtype(dtype, kind) must answer, as the Array API's isdtype does, "
+        "whether a dtype of its library is of kind 'bool' (a flag's) or 'real floating' "
+        "(float16, bfloat16, float32, float64: a norm's), with a Python bool",
         "isfinite": "isfinite(x) must be False for NaN, inf and -inf and True for every "
         "finite value (the transition grows the scale only where the product is finite)",
         "maximum": "maximum(a, b) must return the larger of two float32 values",
@@ -370,7 +373,8 @@ def _namespace_flags(ns: _Namespace) -> dict[bool, Any]:
             ok = (
                 ns(f"is_array({call})", flag) is True
                 and tuple(getattr(flag, "shape", (1,))) == ()
-                and str(getattr(flag, "dtype", "")) in _ops._BOOL_DTYPES
+                and ns(f"isdtype({call}.dtype, 'bool')", getattr(flag, "dtype", None), "bool")
+                is True
             )
         if not ok:
             raise ns.broken(call, f"returned {describe(flag)}")
@@ -418,6 +422,17 @@ def _namespace_values(ns: _Namespace, flags: dict[bool, Any]) -> None:
     ns.number("minimum(2.0, 3.0)", ns("minimum", two, three), 2.0)
     ns.number("minimum(3.0, 2.0)", ns("minimum", three, two), 2.0)
     seven = ns("asarray(7, dtype=int32)", 7, dtype=i32)
+    kinds = (
+        ("flag(True)", flags[True].dtype, {"bool": True, "real floating": False}),
+        ("asarray(2.0, dtype=float32)", two.dtype, {"bool": False, "real floating": True}),
+        ("asarray(7, dtype=int32)", seven.dtype, {"bool": False, "real floating": False}),
+    )
+    for made, dtype, answers in kinds:
+        for kind, answer in answers.items():
+            call = f"isdtype({made}.dtype, {kind!r})"
+            got = ns(call, dtype, kind)
+            if got is not answer:
+                raise ns.broken(call, f"returned {got!r}, not {answer!r}")
     for value in (True, False):
         call = f"where(flag({value}), asarray(2.0, dtype=float32), asarray(3.0, dtype=float32))"
         ns.number(call, ns(call, flags[value], two, three), 2.0 if value else 3.0)
@@ -581,7 +596,9 @@ def _check_subnormals(c: _Check) -> None:
     declares ``flushes_subnormals`` (XLA) exactly as flushing gives them."""
     expect = _unscaled_flushed if c.subject.flushes_subnormals else _unscaled
     for dtype in c.subject.dtypes:
-        for scale in (2.0**16, 2.0**-8):  # shrinks into the subnormals; lifts out of them
+        # Shrinks into the subnormals; lifts out of them; shrinks past them (a half type's
+        # float32 product then rounds to +-0, which a cast that is not IEEE misses).
+        for scale in (2.0**16, 2.0**-8, 2.0**70):
             host = _subnormal_values(dtype)
             want = expect(host, scale)
             out, found = c.unscale([c.array(host)], scale)
@@ -692,6 +709,8 @@ def _check_rejects_bad_scales(c: _Check) -> None:
 def _check_scale_loss(c: _Check) -> None:
     """``loss * f32(scale)``, float32 for float16 and float32 losses."""
     for dtype in (np.float16, np.float32):
+        if np.dtype(dtype) not in c.subject.dtypes:  # the Array API has no float16
+            continue
         loss = c.array(np.array(_LOSS, dtype))
         c.now(f"scale_loss(<a {np.dtype(dtype)} loss>, {_LOSS_SCALE})")
         out = c.host(c.backend.scale_loss(loss, _LOSS_SCALE))
@@ -703,11 +722,11 @@ def _check_select(c: _Check) -> None:
     """The chosen tree's values leaf by leaf; mismatched trees raise InvalidArgumentError."""
     old_h: dict[str, Any] = {
         "w": np.array([1.0, -0.0, 3.0], np.float32),
-        "b": [np.array(2.0, np.float16)],
+        "b": [np.array(2.0, c.subject.dtypes[0])],
     }
     new_h: dict[str, Any] = {
         "w": np.array([4.0, 5.0, 6.0], np.float32),
-        "b": [np.array(7.0, np.float16)],
+        "b": [np.array(7.0, c.subject.dtypes[0])],
     }
 
     def tree(h: Mapping[str, Any]) -> dict[str, Any]:
@@ -723,9 +742,10 @@ def _check_select(c: _Check) -> None:
         if out["n"] is not None or not _same_bits(c.host(out["w"]), want["w"]):
             raise c.fail(f"select with a {'true' if skip else 'false'} flag chose wrongly")
         if not _same_bits(c.host(out["b"][0]), want["b"][0]):
-            raise c.fail("select changed a float16 leaf")
+            raise c.fail(f"select changed a {c.subject.dtypes[0]} leaf")
     old = tree(old_h)
-    other_dtype = np.float64 if np.dtype(np.float64) in c.subject.dtypes else np.float16
+    others = [d for d in c.subject.dtypes if d != np.dtype(np.float32)]
+    other_dtype = others[-1] if others else np.dtype(np.int32)
     mismatched = {
         "a missing key": {"w": old["w"], "b": old["b"]},
         "a longer list": {**old, "b": [*old["b"], old["b"][0]]},
@@ -1082,9 +1102,33 @@ def _torch_conversions() -> tuple[Callable[[np.ndarray], Any], Callable[[Any], n
     return asarray, to_numpy
 
 
+def _mlx_conversions() -> tuple[Callable[[np.ndarray], Any], Callable[[Any], np.ndarray]]:
+    mx = importlib.import_module("mlx.core")
+
+    def asarray(a: np.ndarray) -> Any:  # mx.array alone turns float64 into float32
+        a = np.array(a)
+        if a.dtype == _BF16:
+            return mx.array(a.view(np.uint16)).view(mx.bfloat16)
+        return mx.array(a, dtype=mx.bool_ if a.dtype == np.bool_ else getattr(mx, a.dtype.name))
+
+    def to_numpy(x: Any) -> np.ndarray:
+        if x.dtype == mx.bfloat16:
+            return np.array(x.view(mx.uint16)).view(_BF16)
+        return np.array(x)
+
+    return asarray, to_numpy
+
+
+def _from_dlpack(x: Any) -> np.ndarray:
+    """An Array API array as a NumPy array, through the standard's DLPack interchange
+    (NumPy's own scalars, which have none, through ``np.asarray``)."""
+    return np.from_dlpack(x) if hasattr(x, "__dlpack__") else np.asarray(x)
+
+
 def _default_conversions(
-    name: str,
+    backend: Any,
 ) -> tuple[Callable[[np.ndarray], Any], Callable[[Any], np.ndarray]]:
+    name = str(getattr(backend, "name", ""))
     if name == "numpy":
         return np.array, np.asarray
     if name == "jax":
@@ -1094,6 +1138,10 @@ def _default_conversions(
         return _cupy_conversions()
     if name == "torch":
         return _torch_conversions()
+    if name == "mlx":
+        return _mlx_conversions()
+    if name == "array_api":  # its namespace's own asarray, and back through DLPack
+        return backend.namespace().asarray, _from_dlpack
     raise InvalidArgumentError(
         f"backend {name!r} is not one scaler-core knows how to make arrays for; pass "
         f"asarray= (a NumPy array to one of its arrays) and to_numpy= (back)"
@@ -1134,7 +1182,8 @@ def check_backend(
     Args:
         backend: A backend object, or the name it is registered under.
         asarray: Turns a host NumPy array into an array of the backend's library;
-            known for ``numpy``, ``jax``, ``cupy`` and ``torch`` backends.
+            known for the ``numpy``, ``jax``, ``cupy``, ``torch``, ``mlx`` and
+            ``array_api`` backends.
         to_numpy: The way back.
         flushes_subnormals: The library flushes subnormals in arithmetic (see
             :class:`BackendSubject`); by default true for ``jax`` (XLA), false
@@ -1164,7 +1213,7 @@ def check_backend(
             f"only={names!r} names {unknown!r}, but the checks are {list(BACKEND_CHECKS)!r}"
         )
     if asarray is None or to_numpy is None:
-        default_in, default_out = _default_conversions(str(getattr(backend, "name", "")))
+        default_in, default_out = _default_conversions(backend)
         asarray = default_in if asarray is None else asarray
         to_numpy = default_out if to_numpy is None else to_numpy
     name = str(getattr(backend, "name", ""))

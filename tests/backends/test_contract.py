@@ -54,6 +54,14 @@ def _registered(name: str) -> Callable[[], Any]:
     return load
 
 
+def _array_api_strict() -> Any:
+    """The array_api backend bound to array-api-strict, the standard's strict reference."""
+    xp = pytest.importorskip("array_api_strict", reason="array_api is checked on array-api-strict")
+    from scaler_core.backends._array_api import ArrayApiBackend
+
+    return ArrayApiBackend(xp)
+
+
 BACKENDS: dict[str, Callable[[], Any]] = {
     "numpy-numba": _numba,
     "numpy-pure": _numpy_pure,
@@ -61,6 +69,8 @@ BACKENDS: dict[str, Callable[[], Any]] = {
     "jax": _registered("jax"),
     "cupy": _registered("cupy"),
     "torch": _registered("torch"),
+    "array_api-strict": _array_api_strict,
+    "mlx": _registered("mlx"),
 }
 
 
@@ -117,6 +127,22 @@ def _unscale_in_float16(leaves: Any, scale: Any) -> Any:
     return _reference().unscale(leaves, 1.0)
 
 
+def _unscale_with_a_soft_float16_cast(leaves: Any, scale: Any) -> Any:
+    """A float16 cast that is not IEEE's (Paddle's software cast on a CPU without F16C):
+    float32 products with 2**-89 <= |u| < 2**-77 become the smallest subnormal, not +-0."""
+    soft = []
+    if scale is not None:
+        inv = np.float32(1.0) / np.float32(scale)
+        for g in leaves.work:
+            if g.dtype == np.float16:
+                u = np.abs(g.astype(np.float32) * inv)
+                soft.append((g, (u >= 2.0**-89) & (u < 2.0**-77)))
+    out, found = _reference().unscale(leaves, scale)
+    for g, where in soft:
+        g[where] = np.float16(2.0**-24)
+    return out, found
+
+
 def _check_the_input(leaves: Any, scale: Any) -> Any:
     """PyTorch's check: the flag of the *scaled* input, which misses an unscale overflow."""
     _, found = _reference().unscale(leaves, None)
@@ -155,6 +181,7 @@ def _select_unchecked(found: Any, on_skip: Any, on_step: Any) -> Any:
     [
         ({"unscale": _unscale_in_float16}, "unscale_values", "the rules give"),
         ({"unscale": _check_the_input}, "unscale_values", "flagged False, not True"),
+        ({"unscale": _unscale_with_a_soft_float16_cast}, "subnormals", "float16 subnormals"),
         ({"select": _select_unchecked}, "select", "did not raise InvalidArgumentError"),
         ({"to_bool": bool}, "flags", "to_bool(1) did not raise"),
         ({"scale_loss": _loss_in_float64}, "scale_loss", "gave"),
@@ -164,6 +191,7 @@ def _select_unchecked(found: Any, on_skip: Any, on_step: Any) -> Any:
     ids=[
         "float16-arithmetic",
         "checks-the-input",
+        "soft-float16-cast",
         "select-unchecked",
         "to_bool-int",
         "loss-f64",
@@ -374,6 +402,7 @@ def test_every_built_in_backend_inherits_the_flag_operations_from_the_core() -> 
     assert {*CORE_MEMBERS, *KERNEL_MEMBERS} == set(BACKEND_MEMBERS)
     classes = {"numpy": "NumpyBackend", "numpy-reference": "NumpyReferenceBackend"}
     classes |= {"jax": "JaxBackend", "torch": "TorchBackend", "cupy": "CupyBackend"}
+    classes |= {"array_api": "ArrayApiBackend", "mlx": "MlxBackend"}
     checked = []
     for name, cls in classes.items():
         try:  # where the library is installed

@@ -263,9 +263,9 @@ def test_gpu_helpers_raise_backend_unavailable_without_a_gpu() -> None:
 
 # ----------------------------------------------------------------- dispatch
 def test_cupy_arrays_dispatch_to_the_cupy_backend(cupy_mod: Any) -> None:
-    from scaler_core._backend import _backend_name_of
+    from scaler_core._registry import backend_name_of
 
-    assert _backend_name_of(_fake(cupy_mod, (3,), np.float32)) == "cupy"
+    assert backend_name_of(_fake(cupy_mod, (3,), np.float32)) == "cupy"
     if not _has_gpu(cupy_mod):
         with pytest.raises(sc.BackendUnavailableError, match="needs a CUDA GPU"):
             sc.unscale([_fake(cupy_mod, (3,), np.float32)], 2.0)

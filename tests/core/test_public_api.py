@@ -28,14 +28,15 @@ def test_numpy_use_never_imports_jax_cupy_or_torch(tmp_path: object) -> None:
         """
         import sys
         import scaler_core as sc
-        heavy = ("jax", "jaxlib", "cupy", "torch", "mpi4py", "numpy")
+        heavy = ("jax", "jaxlib", "cupy", "torch", "mpi4py", "numpy", "mlx", "array_api_compat")
         assert not [m for m in heavy if m in sys.modules], [m for m in heavy if m in sys.modules]
         import numpy as np
         scaler = sc.GradScaler()
         grads = scaler.unscale({"w": np.ones(4, np.float32)})
         scaler.update()
         sc.update(sc.init(), False)
-        print(sorted(m for m in ("jax", "jaxlib", "cupy", "torch", "mpi4py") if m in sys.modules))
+        others = ("jax", "jaxlib", "cupy", "torch", "mpi4py", "mlx", "array_api_compat")
+        print(sorted(m for m in others if m in sys.modules))
         """
     )
     out = subprocess.run(

@@ -1,0 +1,85 @@
+"""The registry: which backend serves a value, which library it is, whether it is a host value."""
+
+from __future__ import annotations
+
+import types
+from typing import Any
+
+import numpy as np
+import pytest
+
+import scaler_core as sc
+from scaler_core import _registry
+
+
+def _array_type(module: str, *, namespace: bool = True) -> type:
+    """A third-party array type defined in ``module`` (with ``__array_namespace__``)."""
+    body: dict[str, Any] = {"__module__": module, "shape": (3,), "dtype": "float32"}
+    if namespace:
+        body["__array_namespace__"] = lambda self, api_version=None: types.SimpleNamespace()
+    return type("Array", (), body)
+
+
+def test_a_library_with_the_array_api_goes_to_the_array_api_backend_as_itself() -> None:
+    a = _array_type("fakelib_a.core")()
+    owner = _registry.claim(a)
+    assert owner == _registry.Claim(_registry.ARRAY_API, "fakelib_a", host=False)
+    assert _registry.library_of(a) == "fakelib_a"
+    assert not _registry.is_host(a)
+
+
+def test_two_array_api_libraries_in_one_call_are_refused_naming_both() -> None:
+    a, b = _array_type("fakelib_a")(), _array_type("fakelib_b")()
+    with pytest.raises(sc.GradientTypeError, match=r"fakelib_b array but .* fakelib_a array"):
+        sc.backend_for({"a": a, "b": b})
+
+
+def test_a_type_without_the_array_api_is_served_by_nobody() -> None:
+    x = _array_type("fakelib_c", namespace=False)()
+    assert _registry.claim(x) is None
+    with pytest.raises(sc.GradientTypeError, match="which no backend handles"):
+        sc.backend_for([x])
+
+
+def test_the_built_in_libraries_keep_their_backends_before_the_array_api() -> None:
+    # NumPy 2's arrays carry __array_namespace__ too: NumPy's backend keeps them.
+    assert hasattr(np.ndarray, "__array_namespace__")
+    assert _registry.claim(np.ones(2)) == _registry.Claim("numpy", "numpy", host=True)
+    assert _registry.is_host(np.float32(1.0))
+    assert _registry.is_host(1.5)
+    assert _registry.library_of(np.ones(2)) == "numpy"
+
+
+def test_jaxlib_arrays_are_jax_arrays() -> None:
+    jnp = pytest.importorskip("jax.numpy")
+    x = jnp.ones(2)
+    assert type(x).__module__.startswith("jaxlib")
+    assert _registry.library_of(x) == "jax"
+    assert _registry.backend_name_of(x) == "jax"
+
+
+def test_a_registered_backend_claims_its_modules_and_names_them(request: Any) -> None:
+    request.addfinalizer(lambda: _registry._REGISTRY.pop("fakelib_d", None))
+    request.addfinalizer(_registry._CLAIMS.clear)
+    x = _array_type("fakelib_d.sub")()
+    assert _registry.claim(x) is not None
+    assert _registry.claim(x).backend == "array_api"
+    sc.register_backend("fakelib_d", lambda: sc.get_backend("numpy"), array_modules=["fakelib_d"])
+    assert _registry.claim(x) == _registry.Claim("fakelib_d", "fakelib_d", host=False)
+
+
+@pytest.mark.parametrize(
+    ("modules", "match"),
+    [
+        (
+            "mylib",
+            r"array_modules='mylib', but it must be a list of module names; pass \['mylib'\]",
+        ),
+        (["mylib.core"], "each must be a top-level module name"),
+        ([""], "each must be a top-level module name"),
+    ],
+)
+def test_array_modules_must_be_top_level_names(modules: Any, match: str) -> None:
+    with pytest.raises(sc.InvalidArgumentError, match=match):
+        sc.register_backend("mylib_bad", lambda: sc.get_backend("numpy"), array_modules=modules)
+    assert "mylib_bad" not in _registry.registered()

@@ -1,8 +1,9 @@
 """scaler-core: a framework-agnostic dynamic loss scaler for mixed precision.
 
 The pure core (config, state, transition, serialisation) imports no array
-library; backends for NumPy (default), CuPy, JAX and PyTorch load lazily, and
-``scaler_core.torch.GradScaler`` is a drop-in for ``torch.amp.GradScaler``.
+library; backends for NumPy (default), CuPy, JAX, PyTorch, MLX and any Array API
+library load lazily, and ``scaler_core.torch.GradScaler`` is a drop-in for
+``torch.amp.GradScaler``.
 
 >>> import numpy as np
 >>> import scaler_core as sc

@@ -33,6 +33,8 @@ OPTIONAL = {
     "scaler_core.timm": ("torch", "timm"),
     "scaler_core.backends._torch": ("torch",),
     "scaler_core.backends._torch_host": ("torch",),
+    "scaler_core.mlx": ("mlx",),
+    "scaler_core.backends._mlx": ("mlx",),
 }
 
 #: Modules whose examples another test runs, and why not here.

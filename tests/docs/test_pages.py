@@ -60,6 +60,7 @@ OPTIONAL = frozenset(
         "keras",
         "matplotlib",
         "megatron",
+        "mlx",
         "mmengine",
         "mpi4py",
         "numba",
@@ -523,16 +524,23 @@ def test_no_table_is_cut_in_two(page: Path) -> None:
 
 
 #: How the package's descriptions name each built-in backend's library.
-_LIBRARY_NAMES = {"numpy": "NumPy", "cupy": "CuPy", "jax": "JAX", "torch": "PyTorch"}
+_LIBRARY_NAMES = {
+    "numpy": "NumPy",
+    "cupy": "CuPy",
+    "jax": "JAX",
+    "torch": "PyTorch",
+    "mlx": "MLX",
+    "array_api": "Array API",
+}
 
 
 def test_the_package_descriptions_name_every_built_in_backend() -> None:
     """pyproject.toml's description and the package docstrings list the libraries served."""
     import tomllib
 
-    from scaler_core import _backend
+    from scaler_core import _registry
 
-    assert set(_LIBRARY_NAMES) <= set(_backend._REGISTRY)
+    assert set(_LIBRARY_NAMES) <= set(_registry.registered())
     pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))
     texts = {
         "pyproject.toml description": pyproject["project"]["description"],
@@ -547,3 +555,12 @@ def test_the_package_descriptions_name_every_built_in_backend() -> None:
         words = " ".join(str(text).split())
         missing = [n for lib, n in _LIBRARY_NAMES.items() if n not in words and lib not in words]
         assert not missing, f"{where} leaves out {missing}: {words[:120]}"
+
+
+def test_the_reference_pages_paddle_backend_is_the_example_ci_runs() -> None:
+    """docs/reference.md shows examples/paddle_backend.py whole, as it is: the backend CI
+    holds to the contract suite in Paddle's environment (tests/oracles)."""
+    example = (ROOT / "examples" / "paddle_backend.py").read_text(encoding="utf-8")
+    page = (DOCS / "reference.md").read_text(encoding="utf-8")
+    blocks = re.findall(r"^```python\n(.*?)^```", page, flags=re.S | re.M)
+    assert example in blocks

@@ -333,6 +333,9 @@ def get_backend(name: str | Backend = _registry.DEFAULT) -> Backend:
             installed (the message says what to install).
         InvalidArgumentError: ``name`` is neither a str nor a Backend.
     """
+    loaded = _registry.LOADED.get(name) if isinstance(name, str) else None
+    if loaded is not None:  # the common case, first
+        return loaded  # type: ignore[no-any-return]
     if not isinstance(name, str):
         missing = missing_members(name)
         if not missing:
@@ -374,10 +377,11 @@ def backend_for(*trees: Any, default: str = _registry.DEFAULT, root: str = "grad
     """
     found: _registry.Claim | None = None
     first_path = ""
+    claim = _registry.claim
     for i, tree in enumerate(trees):
         root = root if len(trees) == 1 else f"trees[{i}]"
         for path, leaf in _registry.dispatch_leaves(tree, root):
-            owner = _registry.claim(leaf)
+            owner = claim(leaf)
             if owner is None:
                 raise GradientTypeError(
                     f"{path} is a {type(leaf).__module__}.{type(leaf).__qualname__}, which no "
@@ -385,6 +389,8 @@ def backend_for(*trees: Any, default: str = _registry.DEFAULT, root: str = "grad
                     f"{_registry.registered()!r} (or arrays with __array_namespace__), or "
                     f"register a backend for it"
                 )
+            if owner is found:  # the same type as the first leaf's, most often
+                continue
             if found is None:
                 found, first_path = owner, path
             elif owner.library != found.library:

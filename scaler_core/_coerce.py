@@ -180,7 +180,8 @@ def device_norm(value: object, what: str = "grad_norm") -> Any:
 
 def _host_array(value: object) -> bool:
     """Whether ``value`` is a value of the host library (not a Python builtin)."""
-    return type(value).__module__ != "builtins" and _registry.is_host(value)
+    owner = _registry.claim(value)  # builtins are nobody's
+    return owner is not None and owner.host
 
 
 def _is_0d(value: object, kind: str) -> bool:
@@ -201,7 +202,10 @@ def module_library(value: object) -> str:
 def array_library(value: object) -> str | None:
     """The array library of a device value; ``None`` for a host value (a Python
     number or bool, a NumPy or ml_dtypes value), which goes with every library."""
-    return None if _registry.is_host(value) else _registry.library_of(value)
+    owner = _registry.claim(value)
+    if owner is None:
+        return None if type(value).__module__ == "builtins" else _registry.library_of(value)
+    return None if owner.host else owner.library
 
 
 def describe(value: object) -> str:

@@ -27,6 +27,7 @@ from ._tree import leaves_with_paths
 __all__ = [
     "ARRAY_API",
     "DEFAULT",
+    "LOADED",
     "Claim",
     "backend_name_of",
     "claim",
@@ -65,8 +66,10 @@ class Claim:
 
 
 _REGISTRY: dict[str, _Entry] = {}
-_LOADED: dict[str, Any] = {}
+#: The backends built so far, by name (what :func:`load` returns without a call).
+LOADED: dict[str, Any] = {}
 _CLAIMS: dict[type, Claim | None] = {}
+_UNSEEN = object()
 _LOCK = threading.Lock()
 
 
@@ -118,7 +121,7 @@ def register(
                     f"array_modules={sorted(clash)!r} already belong to backend {other!r}"
                 )
         _REGISTRY[name] = _Entry(loader, modules, host)
-        _LOADED.pop(name, None)
+        LOADED.pop(name, None)
         _CLAIMS.clear()
 
 
@@ -167,7 +170,7 @@ def load(name: str) -> Any:
         BackendUnavailableError: ``name`` is unknown, or its library is not
             installed (the message says what to install).
     """
-    loaded = _LOADED.get(name)
+    loaded = LOADED.get(name)
     if loaded is not None:
         return loaded
     entry = _REGISTRY.get(name)
@@ -184,7 +187,7 @@ def load(name: str) -> Any:
         hint = _INSTALL.get(name, "install the library its array types come from")
         raise BackendUnavailableError(f"backend={name!r} is unavailable: {exc}; {hint}") from exc
     with _LOCK:
-        _LOADED[name] = backend
+        LOADED[name] = backend
     return backend
 
 
@@ -199,10 +202,9 @@ def claim(value: object) -> Claim | None:
     ``__array_namespace__`` goes to the Array API backend, as a library of its own.
     """
     typ = type(value)
-    try:
-        return _CLAIMS[typ]
-    except KeyError:
-        pass
+    owner = _CLAIMS.get(typ, _UNSEEN)
+    if owner is not _UNSEEN:
+        return owner  # type: ignore[return-value]
     top = _top(typ)
     found: Claim | None = None
     for name, entry in _REGISTRY.items():

@@ -295,3 +295,30 @@ def test_step_bench_checks_the_folded_step_then_times_every_row(tmp_path: Path) 
     bad = _run(sys.executable, "benchmarks/bench_step.py", "--reps", "0", timeout=60)
     assert bad.returncode == 2
     assert "--reps=0" in bad.stderr
+
+
+def test_paired_runs_two_checkouts_side_by_side(tmp_path: Path) -> None:
+    """benchmarks/paired.py: a checkout of a revision and this tree, each in its worker,
+    rounds alternated; it writes the table of both sides and their paired difference."""
+    if not (ROOT / ".git").exists():
+        pytest.skip("paired.py extracts a revision with git: run it in a git checkout")
+    out = tmp_path / "paired.md"
+    run = _run(
+        *(sys.executable, "benchmarks/paired.py", "--before", "HEAD", "--rounds", "2"),
+        *("--calls", "3", "--cases", "update_python_flag,find_non_finite_named"),
+        *("--md", str(out)),
+        timeout=300,
+    )
+    assert run.returncode == 0, run.stderr
+    rows = out.read_text().splitlines()
+    assert rows[0].startswith("| case | before")
+    assert [r.split("|")[1].strip() for r in rows[2:]] == [
+        "`update_python_flag`",
+        "`find_non_finite_named`",
+    ]
+    assert all(" us (" in r for r in rows[2:])
+    bad = _run(
+        sys.executable, "benchmarks/paired.py", "--before", "HEAD", "--cases", "x", timeout=60
+    )
+    assert bad.returncode == 2
+    assert len(bad.stderr.strip().splitlines()) == 1

@@ -1,0 +1,214 @@
+"""Two checkouts side by side: the hot calls of the built-in backends, before and after.
+
+A change to the core's checks (how a flag, a norm or a library is recognised) runs on
+every step of every backend. This measures what it costs: two worker processes, one
+importing scaler-core from a checkout of ``--before`` (a git revision, extracted with
+``git archive``), one from ``--after`` (a directory, the working tree by default), each
+with the same calls built the same way. The driver asks the two for one round at a
+time, alternating which goes first; a round times ``--calls`` calls of each case. It
+prints, per call, each side's median and fastest round and the median of the paired
+differences (after minus before, the two workers' rounds side by side), which is what
+makes a difference of a few percent visible on a shared machine.
+
+Cases (``--cases``, all by default):
+
+* ``update_host_flag``: ``sc.update(state, numpy.bool_)``, the host flag path;
+* ``update_python_flag``: ``sc.update(state, False)``;
+* ``find_non_finite_unnamed`` / ``_named``: ``sc.find_non_finite`` on 200 NumPy arrays
+  of 256 float32, the backend found from the arrays / named;
+* ``torch_device_update``: ``get_backend("torch").update(state, flag)`` with a 0-d bool
+  tensor (the device transition on CPU tensors: the flag check and the library check);
+* ``torch_unscale``: ``sc.unscale`` on 200 torch tensors of 256 float32 (scale 1.0);
+* ``jax_update``: ``sc.update(state, flag)`` with a JAX flag, eagerly.
+
+Usage::
+
+    python benchmarks/paired.py --before HEAD [--after .] [--rounds 61] [--calls 300]
+        [--cases a,b] [--md out.md]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+import tarfile
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+CASES = (
+    "update_host_flag",
+    "update_python_flag",
+    "find_non_finite_unnamed",
+    "find_non_finite_named",
+    "torch_device_update",
+    "torch_unscale",
+    "jax_update",
+)
+
+
+# ------------------------------------------------------------------ the worker
+def _build(case: str) -> Callable[[], Any] | None:  # noqa: PLR0911 - one return per case
+    """One call of ``case``, ready to time; ``None`` where its library is missing."""
+    import numpy as np  # noqa: PLC0415
+
+    import scaler_core as sc  # noqa: PLC0415
+
+    state = sc.init(sc.ScalerConfig(growth_interval=10**6))
+    if case == "update_host_flag":
+        flag = np.bool_(False)
+        return lambda: sc.update(state, flag)
+    if case == "update_python_flag":
+        return lambda: sc.update(state, False)
+    if case.startswith("find_non_finite"):
+        grads = [np.ones(256, np.float32) for _ in range(200)]
+        if case.endswith("named"):
+            return lambda: sc.find_non_finite(grads, backend="numpy")
+        return lambda: sc.find_non_finite(grads)
+    try:
+        if case.startswith("torch"):
+            import torch  # noqa: PLC0415
+        else:
+            import jax.numpy as jnp  # noqa: PLC0415
+    except ImportError:
+        return None
+    if case == "torch_device_update":
+        backend, tflag = sc.get_backend("torch"), torch.tensor(False)
+        return lambda: backend.update(state, tflag)
+    if case == "torch_unscale":
+        tgrads = [torch.ones(256) for _ in range(200)]
+        return lambda: sc.unscale(tgrads, 1.0)
+    if case == "jax_update":
+        jflag = jnp.asarray(False)
+        return lambda: sc.update(state, jflag)
+    raise SystemExit(f"paired: unknown case {case!r}")
+
+
+def worker() -> None:
+    """Read ``[cases, calls]`` rounds from stdin; answer each with per-call seconds."""
+    built: dict[str, Callable[[], Any] | None] = {}
+    for line in sys.stdin:
+        cases, calls = json.loads(line)
+        out: dict[str, float | None] = {}
+        for case in cases:
+            if case not in built:
+                built[case] = _build(case)
+                if built[case] is not None:
+                    for _ in range(calls):  # warm: caches, plans, first dispatch
+                        built[case]()  # type: ignore[misc]
+            call = built[case]
+            if call is None:
+                out[case] = None
+                continue
+            start = time.perf_counter()
+            for _ in range(calls):
+                call()
+            out[case] = (time.perf_counter() - start) / calls
+        print(json.dumps(out), flush=True)
+
+
+# ------------------------------------------------------------------ the driver
+def _checkout(rev: str, into: Path) -> Path:
+    """``rev`` of this repository, extracted into ``into`` (scaler_core/ and backends/)."""
+    archive = into / "tree.tar"
+    subprocess.run(
+        ["git", "-C", str(ROOT), "archive", "-o", str(archive), rev, "scaler_core", "backends"],
+        check=True,
+    )
+    with tarfile.open(archive) as tar:
+        tar.extractall(into, filter="data")
+    return into
+
+
+def _start(tree: Path) -> subprocess.Popen[str]:
+    env = dict(os.environ, PYTHONPATH=str(tree))
+    return subprocess.Popen(
+        [sys.executable, "-c", "import benchmarks.paired as p; p.worker()"],
+        cwd=tree,
+        env={**env, "PYTHONPATH": os.pathsep.join([str(tree), str(ROOT)])},
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+
+
+def _ask(proc: subprocess.Popen[str], cases: list[str], calls: int) -> dict[str, float | None]:
+    assert proc.stdin is not None
+    assert proc.stdout is not None
+    proc.stdin.write(json.dumps([cases, calls]) + "\n")
+    proc.stdin.flush()
+    line = proc.stdout.readline()
+    if not line:
+        raise SystemExit("paired: a worker died (run its case alone to see why)")
+    return json.loads(line)  # type: ignore[no-any-return]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--before", required=True, help="a git revision of this repository")
+    parser.add_argument("--after", type=Path, default=ROOT, help="a checkout (default: here)")
+    parser.add_argument("--rounds", type=int, default=61)
+    parser.add_argument("--calls", type=int, default=300)
+    parser.add_argument("--cases", default=",".join(CASES))
+    parser.add_argument("--md", type=Path, default=None, help="also write the table here")
+    args = parser.parse_args(argv)
+    cases = [c for c in args.cases.split(",") if c]
+    unknown = sorted(set(cases) - set(CASES))
+    if unknown or args.rounds < 1 or args.calls < 1:
+        print(
+            f"paired: --cases {unknown} unknown (known: {', '.join(CASES)})"
+            if unknown
+            else "paired: --rounds and --calls must be >= 1",
+            file=sys.stderr,
+        )
+        return 2
+    with tempfile.TemporaryDirectory() as tmp:
+        before = _checkout(args.before, Path(tmp))
+        procs = {"before": _start(before), "after": _start(args.after.resolve())}
+        times: dict[str, dict[str, list[float]]] = {s: {c: [] for c in cases} for s in procs}
+        try:
+            for i in range(args.rounds):
+                order = list(procs) if i % 2 == 0 else list(procs)[::-1]
+                shuffled = random.sample(cases, len(cases))
+                for side in order:
+                    for case, t in _ask(procs[side], shuffled, args.calls).items():
+                        if t is not None:
+                            times[side][case].append(t)
+                print(f"\rround {i + 1}/{args.rounds}", end="", file=sys.stderr, flush=True)
+        finally:
+            for proc in procs.values():
+                proc.kill()
+        print(file=sys.stderr)
+    lines = [
+        "| case | before: median (fastest) | after: median (fastest) | paired difference |",
+        "|---|---:|---:|---:|",
+    ]
+    for case in cases:
+        b, a = times["before"][case], times["after"][case]
+        if not a or not b:
+            lines.append(f"| `{case}` | n/a | n/a | its library is missing |")
+            continue
+        diff = statistics.median(y - x for x, y in zip(b, a, strict=True))
+        lines.append(
+            f"| `{case}` | {statistics.median(b) * 1e6:.2f} us ({min(b) * 1e6:.2f}) | "
+            f"{statistics.median(a) * 1e6:.2f} us ({min(a) * 1e6:.2f}) | "
+            f"{diff * 1e6:+.2f} us ({diff / statistics.median(b):+.1%}) |"
+        )
+    table = "\n".join(lines)
+    print(f"before: {args.before}; after: {args.after}; {args.rounds} rounds of {args.calls}")
+    print(table)
+    if args.md is not None:
+        args.md.write_text(table + "\n", encoding="utf-8")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

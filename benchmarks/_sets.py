@@ -25,6 +25,18 @@ class GradSet:
     note: str
 
 
+def gpt2_shapes(div: int = 1) -> list[tuple[int, ...]]:
+    """The 148 parameter shapes of GPT-2 small (124M), the wide dimensions
+    divided by ``div`` (the JAX and MLX benchmarks' small runs)."""
+    d, vocab, ctx, layers = 768, 50257, 1024, 12
+    shapes: list[tuple[int, ...]] = [(vocab // div, d), (ctx // div, d)]
+    for _ in range(layers):
+        shapes += [(d,), (d,), (d, 3 * d // div), (3 * d // div,), (d, d // div), (d,)]
+        shapes += [(d,), (d,), (d, 4 * d // div), (4 * d // div,), (4 * d // div, d), (d,)]
+    shapes += [(d,), (d,)]
+    return shapes
+
+
 def gpt2_small_shapes(small: bool) -> list[tuple[int, ...]]:
     """GPT-2 small's 148 parameter shapes (124M values); ``small`` shrinks every dimension."""
     vocab, ctx, d, layers = (50257, 1024, 768, 12) if not small else (1000, 64, 48, 12)

@@ -56,20 +56,11 @@ import scaler_core as sc
 
 if __package__:
     from ._results import next_result
+    from ._sets import gpt2_shapes
 else:  # run as a script
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     from benchmarks._results import next_result
-
-
-def gpt2_shapes(div: int = 1) -> list[tuple[int, ...]]:
-    """The 148 parameter shapes of GPT-2 small (124M), optionally shrunk."""
-    d, vocab, ctx, layers = 768, 50257, 1024, 12
-    shapes: list[tuple[int, ...]] = [(vocab // div, d), (ctx // div, d)]
-    for _ in range(layers):
-        shapes += [(d,), (d,), (d, 3 * d // div), (3 * d // div,), (d, d // div), (d,)]
-        shapes += [(d,), (d,), (d, 4 * d // div), (4 * d // div,), (4 * d // div, d), (d,)]
-    shapes += [(d,), (d,)]
-    return shapes
+    from benchmarks._sets import gpt2_shapes
 
 
 def make_tree(kind: str, small: bool, device: Any, many: int = 2000) -> list[Any]:

@@ -53,26 +53,17 @@ from typing import Any
 
 if __package__:
     from ._results import next_result
+    from ._sets import gpt2_shapes
 else:  # run as a script
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     from benchmarks._results import next_result
+    from benchmarks._sets import gpt2_shapes
 
 CONTENDERS = ("scaler_core", "scaler_core_clip", "naive", "naive_clip", "copy")
 SETS = ("gpt2", "many")
 DTYPES = ("float32", "float16", "bfloat16")
 SCALE = 1024.0
 MAX_NORM = 1.0
-
-
-def gpt2_shapes(div: int = 1) -> list[tuple[int, ...]]:
-    """The 148 parameter shapes of GPT-2 small (124M), optionally shrunk."""
-    d, vocab, ctx, layers = 768, 50257, 1024, 12
-    shapes: list[tuple[int, ...]] = [(vocab // div, d), (ctx // div, d)]
-    for _ in range(layers):
-        shapes += [(d,), (d,), (d, 3 * d // div), (3 * d // div,), (d, d // div), (d,)]
-        shapes += [(d,), (d,), (d, 4 * d // div), (4 * d // div,), (4 * d // div, d), (d,)]
-    shapes += [(d,), (d,)]
-    return shapes
 
 
 def make_grads(name: str, *, small: bool, many: int, dtype: str) -> list[Any]:

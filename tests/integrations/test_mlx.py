@@ -39,25 +39,15 @@ from scaler_core.testing import (  # noqa: E402
     flag_sequences,
     norm_sequences,
 )
+from scaler_core.testing._contract import _mlx_conversions  # noqa: E402
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 DTYPES = (np.dtype(np.float16), BF16, np.dtype(np.float32), np.dtype(np.float64))
 FLAGS_LEN = 48
 
 
-def to_mlx(a: np.ndarray) -> Any:
-    """A NumPy array as an MLX array of the same dtype (``mx.array`` alone would turn
-    float64 into float32)."""
-    a = np.array(a)
-    if a.dtype == BF16:
-        return mx.array(a.view(np.uint16)).view(mx.bfloat16)
-    return mx.array(a, dtype=mx.bool_ if a.dtype == np.bool_ else getattr(mx, a.dtype.name))
-
-
-def to_numpy(x: Any) -> np.ndarray:
-    if x.dtype == mx.bfloat16:
-        return np.array(x.view(mx.uint16)).view(BF16)
-    return np.array(x)
+#: NumPy to MLX and back, dtype for dtype: the contract suite's own conversions.
+to_mlx, to_numpy = _mlx_conversions()
 
 
 def bits(a: np.ndarray) -> np.ndarray:

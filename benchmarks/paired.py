@@ -70,7 +70,7 @@ def _build(case: str) -> Callable[[], Any] | None:  # noqa: PLR0911 - one return
         return lambda: sc.update(state, False)
     if case.startswith("find_non_finite"):
         grads = [np.ones(256, np.float32) for _ in range(200)]
-        if case.endswith("named"):
+        if case == "find_non_finite_named":
             return lambda: sc.find_non_finite(grads, backend="numpy")
         return lambda: sc.find_non_finite(grads)
     try:

@@ -12,6 +12,7 @@ imported). Backend modules themselves load lazily, on first use.
 from __future__ import annotations
 
 import inspect
+import math
 from collections.abc import Callable, Iterable
 from typing import Any, Protocol, runtime_checkable
 
@@ -375,6 +376,10 @@ def backend_for(*trees: Any, default: str = _registry.DEFAULT, root: str = "grad
         GradientTypeError: A leaf belongs to no registered backend, or leaves
             come from two array libraries.
     """
+    if len(trees) == 1:
+        known = _same_flat_container(trees[0])
+        if known is not None:
+            return known
     found: _registry.Claim | None = None
     first_path = ""
     claim = _registry.claim
@@ -399,7 +404,46 @@ def backend_for(*trees: Any, default: str = _registry.DEFAULT, root: str = "grad
                     f"array; one call takes arrays of one library: convert them, or make one "
                     f"call per library"
                 )
-    return get_backend(default if found is None else found.backend)
+    backend = get_backend(default if found is None else found.backend)
+    if len(trees) == 1:
+        _remember_flat_container(trees[0], backend)
+    return backend
+
+
+#: The fewest elements whose array's truth is ambiguous (``bool`` raises).
+_AMBIGUOUS = 2
+#: The last flat list or tuple of arrays dispatched, as a copy, and its backend: a loop
+#: that hands the same arrays every step finds its backend in one C-level comparison.
+_LAST_FLAT: list[tuple[list[Any] | tuple[Any, ...], Backend] | None] = [None]
+
+
+def _same_flat_container(tree: Any) -> Backend | None:
+    """The backend of ``tree`` when it is a list or tuple holding the very arrays of the
+    last one remembered, else ``None``. ``==`` of two lists compares identity first;
+    a differing pair of arrays (each of two elements or more, as remembered) compares
+    by value, which raises (an array's truth is ambiguous) or answers False: a miss."""
+    last = _LAST_FLAT[0]
+    if last is None or type(tree) is not type(last[0]):
+        return None
+    try:
+        same = bool(last[0] == tree)
+    except Exception:  # an array's ambiguous truth: not the same arrays
+        return None
+    return last[1] if same else None
+
+
+def _remember_flat_container(tree: Any, backend: Backend) -> None:
+    """Remember ``tree`` (a copy of it) if it is a list or tuple of arrays of two or
+    more elements each: only then does :func:`_same_flat_container`'s ``==`` tell the
+    same arrays from others."""
+    if type(tree) not in (list, tuple) or not tree:
+        return
+    for leaf in tree:
+        shape = getattr(leaf, "shape", None)
+        if shape is None or math.prod(shape) < _AMBIGUOUS or _registry.claim(leaf) is None:
+            _LAST_FLAT[0] = None
+            return
+    _LAST_FLAT[0] = (type(tree)(tree), backend)
 
 
 def resolve_backend(backend: str | Backend | None, *trees: Any) -> Backend:

@@ -83,3 +83,55 @@ def test_array_modules_must_be_top_level_names(modules: Any, match: str) -> None
     with pytest.raises(sc.InvalidArgumentError, match=match):
         sc.register_backend("mylib_bad", lambda: sc.get_backend("numpy"), array_modules=modules)
     assert "mylib_bad" not in _registry.registered()
+
+
+def _counting_claims(monkeypatch: pytest.MonkeyPatch) -> list[object]:
+    seen: list[object] = []
+    claim = _registry.claim
+
+    def counted(value: object) -> Any:
+        seen.append(value)
+        return claim(value)
+
+    monkeypatch.setattr(_registry, "claim", counted)
+    return seen
+
+
+def test_a_flat_list_of_the_same_arrays_finds_its_backend_without_a_walk(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    grads = [np.ones(3, np.float32) for _ in range(50)]
+    assert sc.backend_for(grads).name == "numpy"
+    seen = _counting_claims(monkeypatch)
+    assert sc.backend_for(grads).name == "numpy"
+    assert seen == []  # one comparison of the list with the one remembered
+
+
+@pytest.mark.parametrize("change", ["replace", "append", "replace_equal"])
+def test_a_changed_flat_list_is_walked_again(change: str) -> None:
+    """Whatever changed in the list (an array of another library in place of one, a
+    leaf added, an equal array that is another object), it is dispatched afresh: a
+    remembered backend is used only for the very same arrays."""
+    torch = pytest.importorskip("torch")
+    grads = [np.ones(3, np.float32), np.ones(3, np.float32)]
+    assert sc.backend_for(grads).name == "numpy"
+    if change == "replace":
+        grads[1] = torch.ones(3)
+    elif change == "append":
+        grads.append("x")
+    else:
+        grads[1] = np.ones(3, np.float32)  # value-equal: the same backend, found again
+        assert sc.backend_for(grads).name == "numpy"
+        return
+    with pytest.raises(sc.GradientTypeError, match=r"grads\[1\] is|which no backend handles"):
+        sc.backend_for(grads)
+
+
+def test_single_element_arrays_are_not_remembered(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two one-element arrays of equal value compare equal by value: such a list is not
+    remembered, since == could not tell another array from the same one."""
+    grads = [np.ones(1, np.float32), np.ones(1, np.float32)]
+    sc.backend_for(grads)
+    seen = _counting_claims(monkeypatch)
+    sc.backend_for(grads)
+    assert len(seen) >= len(grads)  # every leaf looked at again

@@ -82,6 +82,40 @@ def test_the_contract_runs_on_every_dtype() -> None:
         assert np.array_equal(bits(back), bits(np.arange(3).astype(dtype)))
 
 
+class _InputDetection(_mlx.MlxBackend):
+    """Flags the gradients as given, not as stored after unscaling: an overflow the
+    unscale itself makes (a scale below 1) goes unseen."""
+
+    def unscale(self, leaves: Any, scale: Any) -> Any:
+        grads, _ = super().unscale(leaves, scale)
+        return grads, super().unscale(leaves, None)[1]
+
+
+class _FloatIsBool(_mlx.MlxNamespace):
+    """isdtype calls a float a bool: a norm would pass for a flag."""
+
+    @staticmethod
+    def isdtype(dtype: Any, kind: str) -> bool:
+        return _mlx.MlxNamespace.isdtype(dtype, kind) or _mlx.MlxNamespace.isdtype(
+            dtype, "real floating"
+        )
+
+
+class _BrokenNamespace(_mlx.MlxBackend):
+    def namespace(self, *values: Any) -> Any:
+        return _FloatIsBool()
+
+
+@pytest.mark.parametrize(
+    ("broken", "check"),
+    [(_InputDetection, "unscale_values"), (_BrokenNamespace, "namespace")],
+    ids=["input-detection", "float-is-bool"],
+)
+def test_the_contract_catches_a_broken_mlx_backend(broken: type, check: str) -> None:
+    with pytest.raises(sc.BackendContractError, match=rf"'{check}' failed for backend 'mlx'"):
+        check_backend(broken(), asarray=to_mlx, to_numpy=to_numpy)
+
+
 def test_the_namespace_answers_as_the_core_asks() -> None:
     xp = sc.get_backend("mlx").namespace()
     assert xp.on_host is False

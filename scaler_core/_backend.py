@@ -412,38 +412,51 @@ def backend_for(*trees: Any, default: str = _registry.DEFAULT, root: str = "grad
 
 #: The fewest elements whose array's truth is ambiguous (``bool`` raises).
 _AMBIGUOUS = 2
-#: The last flat list or tuple of arrays dispatched, as a copy, and its backend: a loop
-#: that hands the same arrays every step finds its backend in one C-level comparison.
-_LAST_FLAT: list[tuple[list[Any] | tuple[Any, ...], Backend] | None] = [None]
+#: The last flat list, tuple or dict of arrays dispatched: its kind, a list of its arrays
+#: and its backend. A loop that hands the same arrays every step finds its backend in
+#: one C-level comparison.
+_LAST_FLAT: list[tuple[type, list[Any], Backend] | None] = [None]
+
+
+def _flat_children(tree: Any) -> list[Any] | None:
+    """The children of a flat list, tuple or dict (a dict's values), as a new list."""
+    kind = type(tree)
+    if kind is dict:
+        return list(tree.values())
+    if kind is list or kind is tuple:
+        return list(tree)
+    return None
 
 
 def _same_flat_container(tree: Any) -> Backend | None:
-    """The backend of ``tree`` when it is a list or tuple holding the very arrays of the
-    last one remembered, else ``None``. ``==`` of two lists compares identity first;
-    a differing pair of arrays (each of two elements or more, as remembered) compares
-    by value, which raises (an array's truth is ambiguous) or answers False: a miss."""
+    """The backend of ``tree`` when it is a list, tuple or dict holding the very arrays
+    of the last one remembered, in order, else ``None``. ``==`` of two lists compares
+    identity first; a differing pair of arrays (each of two elements or more, as
+    remembered) compares by value, which raises (an array's truth is ambiguous) or
+    answers False: a miss."""
     last = _LAST_FLAT[0]
-    if last is None or type(tree) is not type(last[0]):
+    if last is None or type(tree) is not last[0]:
         return None
     try:
-        same = bool(last[0] == tree)
+        same = bool(last[1] == _flat_children(tree))
     except Exception:  # an array's ambiguous truth: not the same arrays
         return None
-    return last[1] if same else None
+    return last[2] if same else None
 
 
 def _remember_flat_container(tree: Any, backend: Backend) -> None:
-    """Remember ``tree`` (a copy of it) if it is a list or tuple of arrays of two or
-    more elements each: only then does :func:`_same_flat_container`'s ``==`` tell the
-    same arrays from others."""
-    if type(tree) not in (list, tuple) or not tree:
+    """Remember ``tree``'s arrays if it is a flat list, tuple or dict of arrays of two
+    or more elements each: only then does :func:`_same_flat_container`'s ``==`` tell
+    the same arrays from others."""
+    children = _flat_children(tree)
+    if not children:
         return
-    for leaf in tree:
+    for leaf in children:
         shape = getattr(leaf, "shape", None)
         if shape is None or math.prod(shape) < _AMBIGUOUS or _registry.claim(leaf) is None:
             _LAST_FLAT[0] = None
             return
-    _LAST_FLAT[0] = (type(tree)(tree), backend)
+    _LAST_FLAT[0] = (type(tree), children, backend)
 
 
 def resolve_backend(backend: str | Backend | None, *trees: Any) -> Backend:

@@ -97,17 +97,19 @@ def _counting_claims(monkeypatch: pytest.MonkeyPatch) -> list[object]:
     return seen
 
 
-def test_a_flat_list_of_the_same_arrays_finds_its_backend_without_a_walk(
-    monkeypatch: pytest.MonkeyPatch,
+@pytest.mark.parametrize("kind", [list, tuple, dict])
+def test_a_flat_container_of_the_same_arrays_finds_its_backend_without_a_walk(
+    monkeypatch: pytest.MonkeyPatch, kind: type
 ) -> None:
-    grads = [np.ones(3, np.float32) for _ in range(50)]
+    arrays = [np.ones(3, np.float32) for _ in range(50)]
+    grads = dict(enumerate(arrays)) if kind is dict else kind(arrays)
     assert sc.backend_for(grads).name == "numpy"
     seen = _counting_claims(monkeypatch)
     assert sc.backend_for(grads).name == "numpy"
     assert seen == []  # one comparison of the list with the one remembered
 
 
-@pytest.mark.parametrize("change", ["replace", "append", "replace_equal"])
+@pytest.mark.parametrize("change", ["replace", "append", "replace_equal", "dict"])
 def test_a_changed_flat_list_is_walked_again(change: str) -> None:
     """Whatever changed in the list (an array of another library in place of one, a
     leaf added, an equal array that is another object), it is dispatched afresh: a
@@ -119,6 +121,13 @@ def test_a_changed_flat_list_is_walked_again(change: str) -> None:
         grads[1] = torch.ones(3)
     elif change == "append":
         grads.append("x")
+    elif change == "dict":  # a dict of the same arrays, then one of them replaced
+        tree = {"a": grads[0], "b": grads[1]}
+        assert sc.backend_for(tree).name == "numpy"
+        tree["b"] = torch.ones(3)
+        with pytest.raises(sc.GradientTypeError, match=r"grads\['b'\] is a torch array"):
+            sc.backend_for(tree)
+        return
     else:
         grads[1] = np.ones(3, np.float32)  # value-equal: the same backend, found again
         assert sc.backend_for(grads).name == "numpy"

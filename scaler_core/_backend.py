@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import inspect
 import math
+import operator
 from collections.abc import Callable, Iterable
 from typing import Any, Protocol, runtime_checkable
 
@@ -412,10 +413,10 @@ def backend_for(*trees: Any, default: str = _registry.DEFAULT, root: str = "grad
 
 #: The fewest elements whose array's truth is ambiguous (``bool`` raises).
 _AMBIGUOUS = 2
-#: The last flat list, tuple or dict of arrays dispatched: its kind, a list of its arrays
-#: and its backend. A loop that hands the same arrays every step finds its backend in
-#: one C-level comparison.
-_LAST_FLAT: list[tuple[type, list[Any], Backend] | None] = [None]
+#: The last flat list, tuple or dict of arrays dispatched: its kind, a list of its
+#: arrays, whether they are all host arrays, and its backend. A loop that hands the same
+#: arrays every step finds its backend in one C-level comparison.
+_LAST_FLAT: list[tuple[type, list[Any], bool, Backend] | None] = [None]
 
 
 def _flat_children(tree: Any) -> list[Any] | None:
@@ -430,33 +431,45 @@ def _flat_children(tree: Any) -> list[Any] | None:
 
 def _same_flat_container(tree: Any) -> Backend | None:
     """The backend of ``tree`` when it is a list, tuple or dict holding the very arrays
-    of the last one remembered, in order, else ``None``. ``==`` of two lists compares
-    identity first; a differing pair of arrays (each of two elements or more, as
-    remembered) compares by value, which raises (an array's truth is ambiguous) or
-    answers False: a miss."""
+    of the last one remembered, in order, else ``None``.
+
+    Host arrays (NumPy's) are compared with ``==`` of two lists, which compares identity
+    first: a differing pair (each of two elements or more, as remembered) compares by
+    value, which raises (an array's truth is ambiguous) or answers False, a miss. A
+    device library's arrays are compared by identity alone: ``==`` on them could be an
+    operation of a trace (a JAX tracer remembered from one ``jax.jit`` would leak into
+    the next)."""
     last = _LAST_FLAT[0]
     if last is None or type(tree) is not last[0]:
         return None
+    children = _flat_children(tree)
+    if children is None or len(children) != len(last[1]):
+        return None
+    if not last[2]:
+        return last[3] if all(map(operator.is_, children, last[1])) else None
     try:
-        same = bool(last[1] == _flat_children(tree))
+        same = bool(last[1] == children)
     except Exception:  # an array's ambiguous truth: not the same arrays
         return None
-    return last[2] if same else None
+    return last[3] if same else None
 
 
 def _remember_flat_container(tree: Any, backend: Backend) -> None:
     """Remember ``tree``'s arrays if it is a flat list, tuple or dict of arrays of two
     or more elements each: only then does :func:`_same_flat_container`'s ``==`` tell
-    the same arrays from others."""
+    the same host arrays from others."""
     children = _flat_children(tree)
     if not children:
         return
+    host = True
     for leaf in children:
         shape = getattr(leaf, "shape", None)
-        if shape is None or math.prod(shape) < _AMBIGUOUS or _registry.claim(leaf) is None:
+        owner = None if shape is None else _registry.claim(leaf)
+        if owner is None or shape is None or math.prod(shape) < _AMBIGUOUS:
             _LAST_FLAT[0] = None
             return
-    _LAST_FLAT[0] = (type(tree), children, backend)
+        host = host and owner.host
+    _LAST_FLAT[0] = (type(tree), children, host, backend)
 
 
 def resolve_backend(backend: str | Backend | None, *trees: Any) -> Backend:

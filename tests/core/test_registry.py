@@ -144,3 +144,16 @@ def test_single_element_arrays_are_not_remembered(monkeypatch: pytest.MonkeyPatc
     seen = _counting_claims(monkeypatch)
     sc.backend_for(grads)
     assert len(seen) >= len(grads)  # every leaf looked at again
+
+
+def test_no_jax_tracer_is_compared_across_two_traces() -> None:
+    """A flat dict of tracers dispatched inside one jax.jit is not compared by value in
+    the next trace: that would pull the first trace's tracers into the second
+    (UnexpectedTracerError when it runs)."""
+    jax = pytest.importorskip("jax")
+    jnp = pytest.importorskip("jax.numpy")
+    tree = {"a": jnp.ones(4), "b": jnp.full(4, jnp.inf)}
+    found = jax.jit(sc.find_non_finite)(tree)
+    out = jax.jit(lambda g: sc.unscale(g, 2.0)[0])(tree)
+    assert bool(found)
+    assert out["a"].tolist() == [0.5] * 4

@@ -325,6 +325,7 @@ def register_backend(
     'numpy'
     """
     _registry.register(name, loader, array_modules=array_modules, replace=replace)
+    _LAST_FLAT[0] = None  # a remembered dispatch may now belong to another backend
 
 
 def get_backend(name: str | Backend = _registry.DEFAULT) -> Backend:

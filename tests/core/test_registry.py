@@ -157,3 +157,14 @@ def test_no_jax_tracer_is_compared_across_two_traces() -> None:
     out = jax.jit(lambda g: sc.unscale(g, 2.0)[0])(tree)
     assert bool(found)
     assert out["a"].tolist() == [0.5] * 4
+
+
+def test_a_new_registration_forgets_the_remembered_dispatch(request: Any) -> None:
+    request.addfinalizer(lambda: _registry._REGISTRY.pop("fakelib_e", None))
+    request.addfinalizer(_registry._CLAIMS.clear)
+    kind = _array_type("fakelib_e")
+    grads = [kind(), kind()]
+    assert sc.backend_for(grads).name == "array_api"
+    numpy = sc.get_backend("numpy")
+    sc.register_backend("fakelib_e", lambda: numpy, array_modules=["fakelib_e"])
+    assert sc.backend_for(grads) is numpy

@@ -35,8 +35,9 @@ from scaler_core._errors import (
 from scaler_core._f32 import FLT_MIN
 from scaler_core._ops import as_flag, clip_coefficient
 from scaler_core._registration import register_pytree
-from scaler_core._state import ScalerState, convert_fields
+from scaler_core._state import ScalerState
 from scaler_core._tree import first_of_each
+from scaler_core.backend_kit import state_on
 
 from ._common import (
     HALF_DTYPES,
@@ -270,12 +271,7 @@ def to_device(state: ScalerState) -> ScalerState:
     Raises:
         InvalidArgumentError: ``state`` is not a :class:`~scaler_core.ScalerState`.
     """
-    return convert_fields(
-        state,
-        lambda v: jnp.asarray(v, dtype=jnp.float32),
-        lambda v: jnp.asarray(v, dtype=jnp.int32),
-        host_static=True,
-    )
+    return state_on(NAMESPACE, state)
 
 
 class Prepared:

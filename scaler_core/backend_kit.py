@@ -15,6 +15,8 @@ served here, so a backend restates none of them and cannot drift from the others
   computed in the norm's library on its device;
 - :func:`float_leaves`: a tree's distinct leaves, each checked to be a floating array
   of the namespace's library, with the message every backend gives;
+- :func:`state_on`: a state whose data fields are 0-d arrays of a namespace's library
+  (what each device integration's ``to_device`` is);
 - :class:`DeviceNamespace`: every member of a device namespace, made from a few of the
   library's own functions (and :class:`CallableDType`, the dtypes the core calls).
 
@@ -35,6 +37,7 @@ from typing import Any
 from ._coerce import describe
 from ._errors import GradientTypeError, InvalidArgumentError
 from ._ops import clip_coefficient, inverse_scale
+from ._state import ScalerState, convert_fields
 from ._tree import leaves_with_paths, map_pairs
 
 __all__ = [
@@ -45,7 +48,33 @@ __all__ = [
     "inverse_scale",
     "leaves_with_paths",
     "map_pairs",
+    "state_on",
 ]
+
+
+def state_on(xp: Any, state: ScalerState) -> ScalerState:
+    """``state`` with a 0-d float32 scale and 0-d int32 counters, arrays of the namespace
+    ``xp``'s library (``xp.asarray(value, dtype=xp.float32)`` and ``xp.int32``), so the
+    transition on that library's flags keeps it there with no host synchronisation.
+
+    Nothing is read back and nothing is checked: a recorded failure moves with the
+    state and raises at the first host-side look. With spike skipping off, the window
+    statistics stay Python numbers (they never change then).
+
+    Raises:
+        InvalidArgumentError: ``state`` is not a :class:`~scaler_core.ScalerState`.
+
+    >>> import scaler_core as sc
+    >>> state = state_on(sc.get_backend("numpy").namespace(), sc.init())
+    >>> type(state.scale).__name__, state.scale.dtype.name, state.growth_tracker.dtype.name
+    ('ndarray', 'float32', 'int32')
+    """
+    return convert_fields(
+        state,
+        lambda value: xp.asarray(value, dtype=xp.float32),
+        lambda value: xp.asarray(value, dtype=xp.int32),
+        host_static=True,
+    )
 
 
 def float_leaves(grads: Any, xp: Any, root: str = "grads") -> list[Any]:

@@ -44,14 +44,14 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
-import mlx.core as mx
 from mlx.nn.layers.base import Module
 from mlx.nn.utils import value_and_grad as nn_value_and_grad
 
 from ._errors import InvalidArgumentError
 from ._ops import as_flag
 from ._registration import static_data
-from ._state import DATA_FIELDS, ScalerState, convert_fields, require_state, step_skipped
+from ._state import DATA_FIELDS, ScalerState, require_state, step_skipped
+from .backend_kit import state_on
 from .backends._mlx import BACKEND, NAMESPACE
 
 __all__ = ["StateCell", "optimizer_update", "scaled_value_and_grad", "to_device"]
@@ -70,12 +70,7 @@ def to_device(state: ScalerState) -> ScalerState:
     Raises:
         InvalidArgumentError: ``state`` is not a :class:`~scaler_core.ScalerState`.
     """
-    return convert_fields(
-        state,
-        lambda v: NAMESPACE.asarray(v, dtype=mx.float32),
-        lambda v: NAMESPACE.asarray(v, dtype=mx.int32),
-        host_static=True,
-    )
+    return state_on(NAMESPACE, state)
 
 
 class StateCell(dict):  # type: ignore[type-arg]

@@ -1,49 +1,30 @@
 """The torch backend: unscale and detection over trees of tensors, on any device.
 
-How a call runs: every leaf is validated first (a tensor of float16, bfloat16,
-float32 or float64, dense or sparse), then the tensors are bucketed by (device,
-dtype) and each bucket goes through PyTorch's own fused kernel,
-``torch._amp_foreach_non_finite_check_and_unscale_`` (one dispatch for the whole
-bucket; on CPU it takes all four dtypes and rounds half types as the rules do).
-Where that kernel does not serve (bfloat16 on CUDA, devices other than CPU and
-CUDA) ``torch._foreach_mul_`` by the same float32 inverse does, with every output
-checked: the same product, rounded once, and the same flag (see
-:func:`kernel_takes`; a test runs both routes on the CPU and compares bits).
+How a call runs: every leaf is validated first and read as the gradient it stands
+for (a sparse one as its summed values, a DTensor through its local shard: see
+:mod:`._torch_leaves`), then the tensors are bucketed by (device, dtype) and each
+bucket goes through PyTorch's fused kernels (:mod:`.torch_kernels`, which the
+PyTorch drop-in runs too). The measure (norm and clip) of dense CPU tensors by a
+host scale runs the NumPy backend's kernels over the tensors' memory instead (the
+CPU route; without numba, PyTorch's own in :mod:`._torch_host`).
 
-That kernel checks its *input*. The rules check the *unscaled* values, which is
-the same unless the scale is below 1 (an inverse above 1 can turn a finite value
-into inf). So when the scale may be below 1 the outputs are checked too, with one
+PyTorch's unscale kernel checks its *input*. The rules check the *unscaled* values,
+which is the same unless the scale is below 1 (an inverse above 1 can turn a finite
+value into inf). So when the scale may be below 1 the outputs are checked too, with one
 more read (``torch._foreach_norm(..., inf)``): decided on the host for a host
 scale or a CPU tensor, and on the device (masked by ``inv > 1``) for a scale on
 an accelerator, where reading it would synchronise.
 
 Flags are 0-d ``torch.bool`` tensors on the gradients' device; nothing but
 :meth:`TorchBackend.to_bool` synchronises.
-
-Every operation walks the leaves once, through :func:`_leaves`, and reads each as
-the gradient it stands for:
-
-* A sparse COO tensor with duplicate indices stands for their sum. Detection and
-  the leaf report read a coalesced temporary. The unscale coalesces a float16 one
-  first, as PyTorch's GradScaler does (duplicates could overflow only once
-  summed), and any other one after (its values are then exactly PyTorch's
-  ``unscale_`` followed by ``coalesce()``, and checked as summed); the norm and
-  the clip are those of the coalesced gradient, and the returned tree holds the
-  coalesced tensor in the original's place. Every other leaf is unscaled in place.
-* A DTensor (FSDP2's gradients) is read through its local shard, in place. Over
-  the mesh dimensions it is sharded along, its squares and counts are summed and
-  the flag OR-ed (``torch.distributed.all_reduce``, one per dimension for all
-  leaves sharded alike), so the norm is the global one and every rank gets the same
-  flag and report. A DTensor placed as a partial sum is refused.
 """
 
 from __future__ import annotations
 
 import math
-import sys
 from collections import defaultdict
-from collections.abc import Iterable, Sequence
-from typing import Any, NamedTuple, cast
+from collections.abc import Sequence
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -58,13 +39,22 @@ from scaler_core._errors import (
 )
 from scaler_core._f32 import FLT_MIN
 from scaler_core._ops import as_flag, clip_coefficient
-from scaler_core._tree import leaves_with_paths, map_pairs
+from scaler_core._tree import map_pairs
 
 from . import _numpy, _plans, _torch_host
-from ._common import (
-    LeafKind,
-    inv_scale_of,
-    norm_of_sums,
+from . import torch_kernels as kernels
+from ._common import inv_scale_of, norm_of_sums
+from ._torch_leaves import (
+    LEAVES,
+    NUMPY_DTYPES,
+    Leaf,
+    any_over_shards,
+    bfloat16,
+    coalesced,
+    elements,
+    leaves_of,
+    sum_over_shards,
+    values_of,
 )
 
 __all__ = [
@@ -74,202 +64,13 @@ __all__ = [
     "Leaves",
     "TorchBackend",
     "TorchNamespace",
-    "check_for_fused",
-    "dtensor_type",
     "host_flag_of",
     "inverse_scale",
-    "kernel_takes",
-    "reads_free",
-    "unscale_buckets",
 ]
 
-#: NumPy's dtype of each accepted torch dtype but bfloat16 (see :func:`_numpy_dtype`).
-_NUMPY_DTYPES: dict[torch.dtype, np.dtype[Any]] = {
-    torch.float16: np.dtype(np.float16),
-    torch.float32: np.dtype(np.float32),
-    torch.float64: np.dtype(np.float64),
-}
-#: The torch dtypes the backend accepts.
-_ACCEPTED = frozenset({*_NUMPY_DTYPES, torch.bfloat16})
 _HALF = (torch.float16, torch.bfloat16)
 #: The dtypes the numba kernels read in place, by address.
 _WIDE = (torch.float32, torch.float64)
-
-
-def _numpy_dtype(dtype: Any) -> np.dtype[Any] | None:
-    """NumPy's dtype for a torch dtype (``None`` for one the backend refuses). ml_dtypes,
-    whose import takes over a second, is imported only for a bfloat16 tensor."""
-    if dtype is torch.bfloat16:
-        return _bfloat16()
-    return _NUMPY_DTYPES.get(dtype)
-
-
-def _bfloat16() -> np.dtype[Any]:
-    import ml_dtypes  # noqa: PLC0415 - only where a bfloat16 tensor is met
-
-    bfloat16: np.dtype[Any] = np.dtype(ml_dtypes.bfloat16)
-    return bfloat16
-
-
-#: torch gradient leaves (dense or sparse COO tensors).
-LEAVES = LeafKind(
-    "torch",
-    torch.Tensor,
-    "torch.Tensor",
-    "torch",
-    "torch.as_tensor(x)",
-    numpy_dtype=_numpy_dtype,
-    cast=".float()",
-)
-
-
-def _values(t: torch.Tensor) -> torch.Tensor:
-    """The tensor whose elements are a gradient's: itself, or a sparse tensor's values."""
-    return t._values() if t.is_sparse else t
-
-
-class _Leaf(NamedTuple):
-    """One gradient as every operation sees it (the one walk over the leaves).
-
-    ``local`` holds the elements this process reads and writes: the leaf itself, or
-    a DTensor's local shard. ``spread`` is, for a DTensor sharded over some
-    dimensions of its device mesh, ``(mesh, dims)``: a sum over the leaf (its
-    norm, its NaN and inf counts) is all-reduced over those dimensions, and a flag
-    too (PyTorch's DTensor unscale reduces its flag the same way). Replicated
-    dimensions are not summed over: every rank there holds the same values.
-    """
-
-    path: str
-    tensor: torch.Tensor
-    local: torch.Tensor
-    spread: tuple[Any, tuple[int, ...]] | None
-
-
-def dtensor_type() -> type | None:
-    """DTensor's class if ``torch.distributed.tensor`` was imported (else no leaf is one)."""
-    module = sys.modules.get("torch.distributed.tensor")
-    return getattr(module, "DTensor", None)
-
-
-def _shard(path: str, leaf: Any) -> tuple[torch.Tensor, tuple[Any, tuple[int, ...]] | None]:
-    """A DTensor's local shard and the mesh dimensions it is sharded over."""
-    from torch.distributed.tensor import Replicate, Shard  # noqa: PLC0415 - a DTensor exists
-
-    dims = []
-    for dim, placement in enumerate(leaf.placements):
-        if isinstance(placement, Shard):
-            dims.append(dim)
-        elif not isinstance(placement, Replicate):
-            raise GradientValueError(
-                f"{path} is a DTensor placed {tuple(leaf.placements)} on its mesh, but the "
-                f"torch backend takes sharded or replicated DTensors ({placement} holds "
-                f"summands, not the gradient); redistribute it first, for example with "
-                f".redistribute(placements=[Replicate()] * mesh.ndim)"
-            )
-    with torch.no_grad():
-        local = leaf.to_local()  # the local shard itself, not a copy
-    return local, ((leaf.device_mesh, tuple(dims)) if dims else None)
-
-
-def _flat_leaves(grads: list[Any] | tuple[Any, ...]) -> list[_Leaf] | None:
-    """:func:`_leaves` of a flat list or tuple of plain dense float tensors (and
-    ``None``), as the drop-in passes an optimizer's gradients: one loop, no tree walk.
-    ``None`` for anything else (the walk then validates it, and words any error)."""
-    out: list[_Leaf] = []
-    seen: set[int] = set()
-    for i, leaf in enumerate(grads):
-        if leaf is None:
-            continue
-        if type(leaf) is not torch.Tensor or leaf.dtype not in _ACCEPTED or leaf.is_sparse:
-            return None
-        if leaf.layout is not torch.strided:
-            return None
-        if id(leaf) not in seen:
-            seen.add(id(leaf))
-            out.append(_Leaf(f"grads[{i}]", leaf, leaf, None))
-    return out
-
-
-def _leaves(grads: Any) -> list[_Leaf]:
-    """Every leaf validated (nothing is touched before all are), each tensor once, at
-    its first path (the same tensor twice is unscaled, counted and reported once)."""
-    if type(grads) is list or type(grads) is tuple:
-        flat = _flat_leaves(grads)
-        if flat is not None:
-            return flat
-    out: list[_Leaf] = []
-    seen: set[int] = set()
-    dtensor = dtensor_type()
-    for path, leaf in leaves_with_paths(grads):
-        LEAVES.check(path, leaf)
-        local, spread = leaf, None
-        if dtensor is not None and isinstance(leaf, dtensor):
-            local, spread = _shard(path, leaf)
-        if local.layout not in (torch.strided, torch.sparse_coo):
-            raise GradientTypeError(
-                f"{path} has layout {local.layout}, but the torch backend takes dense (strided) "
-                f"and sparse COO tensors; convert it with .to_dense()"
-            )
-        if id(leaf) not in seen:
-            seen.add(id(leaf))
-            out.append(_Leaf(path, leaf, local, spread))
-    return out
-
-
-def _coalesced(t: torch.Tensor) -> torch.Tensor:
-    """The gradient a tensor stands for: a sparse one with duplicate indices summed (a
-    new tensor; the one given is left as it is), anything else itself."""
-    return t.coalesce() if t.is_sparse and not t.is_coalesced() else t
-
-
-def elements(leaf: _Leaf) -> torch.Tensor:
-    """What a read-only operation (detection, the leaf report) reads of a leaf: the
-    values of the gradient it stands for, here."""
-    return _values(_coalesced(leaf.local))
-
-
-def _spreads(leaves: Iterable[_Leaf]) -> dict[tuple[int, tuple[int, ...]], list[int]]:
-    """The leaves' indices by how they are sharded (mesh and dimensions)."""
-    out: dict[tuple[int, tuple[int, ...]], list[int]] = defaultdict(list)
-    for i, leaf in enumerate(leaves):
-        if leaf.spread is not None:
-            out[id(leaf.spread[0]), leaf.spread[1]].append(i)
-    return out
-
-
-def _all_reduce(t: torch.Tensor, spread: tuple[Any, tuple[int, ...]], op: str) -> None:
-    import torch.distributed as dist  # noqa: PLC0415 - a DTensor exists, so it is loaded
-
-    mesh, dims = spread
-    for dim in dims:
-        dist.all_reduce(t, op=getattr(dist.ReduceOp, op), group=mesh.get_group(dim))
-
-
-def sum_over_shards(leaves: Sequence[_Leaf], per_leaf: list[torch.Tensor]) -> list[torch.Tensor]:
-    """Each leaf's ``per_leaf`` sum (a norm's squares, counts) summed over the ranks that
-    hold its other shards; a leaf that is not sharded keeps its own. One all-reduce per
-    mesh dimension for all leaves sharded alike."""
-    out = list(per_leaf)
-    for indices in _spreads(leaves).values():
-        stacked = torch.stack([per_leaf[i] for i in indices])
-        _all_reduce(stacked, cast(Any, leaves[indices[0]].spread), "SUM")
-        for j, i in enumerate(indices):
-            out[i] = stacked[j]
-    return out
-
-
-def _any_over_shards(leaves: Sequence[_Leaf], flag: torch.Tensor) -> torch.Tensor:
-    """The flag OR-ed over the ranks that hold other shards of the leaves (so every
-    rank gets the same one), as PyTorch's DTensor unscale reduces its flag."""
-    spreads = _spreads(leaves)
-    if not spreads:
-        return flag
-    for indices in spreads.values():
-        leaf = leaves[indices[0]]
-        wide = flag.to(leaf.local.device, torch.float32)
-        _all_reduce(wide, cast(Any, leaf.spread), "MAX")
-        flag = wide.to(flag.device) > 0
-    return flag
 
 
 def host_flag_of(found: Any, what: str, passed: str) -> bool:
@@ -301,18 +102,6 @@ def host_flag_of(found: Any, what: str, passed: str) -> bool:
 
 
 # ------------------------------------------------------------------------ scale
-def reads_free(device: torch.device) -> bool:
-    """Whether a value on ``device`` is read without a host synchronisation: the one
-    place the two routes are chosen, here and in the drop-in.
-
-    The CPU's values are (the host route: scales and flags read, the NumPy kernels,
-    a failing step raised); every other device's are not (the device route: nothing
-    read back, a failure recorded in the state). A test replaces this function to
-    send CPU tensors down the device route, with every host read forbidden.
-    """
-    return device.type == "cpu"
-
-
 def inverse_scale(scale: Any) -> tuple[torch.Tensor | float, bool | None]:
     """``(inv, needs_output_check)`` for a host scale or a 0-d tensor scale.
 
@@ -331,7 +120,7 @@ def inverse_scale(scale: Any) -> tuple[torch.Tensor | float, bool | None]:
                 f"but a tensor scale must hold one float; pass the scaler's scale"
             )
         s = scale.detach().reshape(()).float()
-        if reads_free(s.device):  # validate as a host value
+        if kernels.reads_free(s.device):  # validate as a host value
             value = float(s)
             inv_scale_of(value)
             return s.double().reciprocal().float(), value < 1.0
@@ -342,125 +131,6 @@ def inverse_scale(scale: Any) -> tuple[torch.Tensor | float, bool | None]:
         return s.double().reciprocal().float(), None
     inv = inv_scale_of(scale)
     return inv, inv > 1.0
-
-
-def _on(inv: torch.Tensor | float, device: torch.device) -> torch.Tensor:
-    if isinstance(inv, torch.Tensor):
-        return inv.to(device, non_blocking=True)
-    return torch.full((), inv, dtype=torch.float32, device=device)
-
-
-def kernel_takes(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether PyTorch's fused unscale kernel serves ``dtype`` on ``device``.
-
-    On CPU it takes all four dtypes; on CUDA all but bfloat16. Elsewhere (and for
-    bfloat16 on CUDA) ``torch._foreach_mul_`` by the same float32 inverse serves,
-    with every output checked: the same product, rounded once, the same flag.
-    """
-    if device.type == "cpu":
-        return True
-    return device.type == "cuda" and dtype is not torch.bfloat16
-
-
-def unscale_buckets(
-    buckets: dict[torch.device, dict[torch.dtype, list[torch.Tensor]]],
-    inv: torch.Tensor | float,
-    found: dict[torch.device, torch.Tensor],
-    check_outputs: bool | None,
-) -> None:
-    """Unscale each (device, dtype) bucket in place; set ``found[device]`` to 1.0 when
-    a value is NaN or inf after unscaling (it stays 0.0 or 1.0, as PyTorch's kernel
-    leaves it: fused optimizers skip only where ``found_inf == 1``).
-
-    ``check_outputs``: ``True`` or ``False`` as decided on the host, ``None`` to
-    decide on the device (outputs checked, the result masked by ``inv > 1``).
-    """
-    with torch.no_grad():
-        for device, by_dtype in buckets.items():
-            inv_d = _on(inv, device)
-            flag = found[device]
-            for dtype, tensors in by_dtype.items():
-                if not kernel_takes(device, dtype):
-                    # The same product, rounded once, and every output checked.
-                    torch._foreach_mul_(tensors, inv_d)
-                    torch.maximum(flag, _non_finite(tensors, device).float(), out=flag)
-                    continue
-                torch._amp_foreach_non_finite_check_and_unscale_(tensors, flag, inv_d)
-                if check_outputs is False:
-                    continue
-                hit = _non_finite(tensors, device).float()
-                if check_outputs is None:
-                    # Above 1 the unscale may overflow; a NaN inverse (a bad device
-                    # scale, made NaN to fail closed) made every output NaN: both count.
-                    hit = hit * (~(inv_d <= 1.0)).float()
-                # 1.0, never more: fused optimizers skip only where found_inf == 1
-                torch.maximum(flag, hit, out=flag)
-
-
-def check_for_fused(
-    buckets: dict[torch.device, dict[torch.dtype, list[torch.Tensor]]],
-    inv: torch.Tensor | None,
-    found: dict[torch.device, torch.Tensor],
-) -> None:
-    """Set ``found[device]`` to 1.0 where a fused optimizer's own unscale by ``inv``
-    would meet a non-finite value: one read per bucket, nothing written.
-
-    A fused optimizer unscales inside its kernel; this checks for it. A bucket is
-    flagged when its largest ``|g|`` is NaN or inf, or when ``|g| * inv`` (in
-    float64) exceeds the dtype's largest finite value, a hair more cautious than
-    rounding (a value within half an ulp of the maximum rounds to it, and is
-    flagged). Only an inverse above 1 can overflow; ``inv`` is a 0-d tensor,
-    masked on the device, never read back, or ``None`` where the scale cannot
-    fall below 1 (the finiteness check alone).
-    """
-    with torch.no_grad():
-        for device, by_dtype in buckets.items():
-            inv_d = None if inv is None else inv.to(device, torch.float64, non_blocking=True)
-            flag = found[device]
-            for dtype, tensors in by_dtype.items():
-                norms = torch._foreach_norm(list(tensors), math.inf)  # NaN and inf propagate
-                biggest = torch.stack([n.double() for n in norms]).max()
-                hit = ~torch.isfinite(biggest)
-                if inv_d is not None:
-                    # NaN-safe: a NaN inverse (a bad device scale) flags the bucket.
-                    hit |= ~(biggest * inv_d <= torch.finfo(dtype).max) & ~(inv_d <= 1.0)
-                torch.maximum(flag, hit.float(), out=flag)
-
-
-def _non_finite(tensors: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:
-    """Whether any element of ``tensors`` is NaN or inf: one read, a 0-d bool on ``device``."""
-    tensors = [t for t in tensors if t.numel()]  # an empty tensor has no max norm
-    if not tensors:
-        return torch.zeros((), dtype=torch.bool, device=device)
-    norms = torch._foreach_norm(tensors, math.inf)  # max |x|: NaN or inf propagate
-    # Each norm tested in its own dtype: a float64 norm cast to float32 could overflow.
-    return ~torch.stack([torch.isfinite(n) for n in norms]).all()
-
-
-def _buckets(
-    tensors: Iterable[torch.Tensor],
-) -> dict[torch.device, dict[torch.dtype, list[torch.Tensor]]]:
-    out: dict[torch.device, dict[torch.dtype, list[torch.Tensor]]] = defaultdict(
-        lambda: defaultdict(list)
-    )
-    seen: set[int] = set()
-    for t in tensors:
-        if id(t) not in seen:  # the same tensor twice is unscaled once
-            seen.add(id(t))
-            out[t.device][t.dtype].append(t)
-    return out
-
-
-def _combine(flags: dict[torch.device, torch.Tensor], default: torch.device) -> torch.Tensor:
-    """One 0-d bool flag on the first device, from per-device float flags (no sync)."""
-    if not flags:
-        return torch.zeros((), dtype=torch.bool, device=default)
-    items = list(flags.items())
-    first = items[0][0]
-    total = items[0][1] > 0
-    for _, f in items[1:]:
-        total = total | (f > 0).to(first, non_blocking=True)
-    return total
 
 
 # --------------------------------------------------------- device transition
@@ -583,7 +253,9 @@ def namespace_on(device: torch.device) -> TorchNamespace:
 def _host_scale(scale: Any) -> float | None:
     """The scale as a float when it is one on the host (a float, a CPU tensor), else None."""
     if isinstance(scale, torch.Tensor):
-        return float(scale.detach().reshape(()).float()) if reads_free(scale.device) else None
+        return (
+            float(scale.detach().reshape(()).float()) if kernels.reads_free(scale.device) else None
+        )
     return float(scale)
 
 
@@ -598,7 +270,7 @@ def _numpy_view(t: torch.Tensor) -> np.ndarray:
     if t.is_neg():
         t = torch._neg_view(t)  # the memory itself, its sign bit no longer flipped
     if t.dtype is torch.bfloat16:
-        return t.view(torch.int16).numpy().view(_bfloat16())
+        return t.view(torch.int16).numpy().view(bfloat16())
     return t.numpy()
 
 
@@ -615,7 +287,7 @@ def _numpy_plan(tensors: Sequence[torch.Tensor]) -> _plans.Plan:
         else:
             arrays.append(_numpy_view(t))
     blocks = {
-        _NUMPY_DTYPES[dtype]: ([t.data_ptr() for t in ts], [t.numel() for t in ts])
+        NUMPY_DTYPES[dtype]: ([t.data_ptr() for t in ts], [t.numel() for t in ts])
         for dtype, ts in by_dtype.items()
     }
     return _plans.plan_blocks(arrays, blocks, list(tensors))
@@ -639,7 +311,9 @@ def _host_route(
     kernels, the same results; the NumPy path would run on one thread, slower than
     PyTorch's own pair), when it serves them. Else NumPy views.
     """
-    if not all(t.is_cpu and reads_free(t.device) and t.layout is torch.strided for t in tensors):
+    if not all(
+        t.is_cpu and kernels.reads_free(t.device) and t.layout is torch.strided for t in tensors
+    ):
         return None
     host = _host_scale(scale)
     if host is None:
@@ -657,7 +331,7 @@ def _host_route(
 
 
 def _norm(
-    leaves: Sequence[_Leaf],
+    leaves: Sequence[Leaf],
     values: Sequence[torch.Tensor],
     default: torch.device,
     times: Sequence[torch.Tensor | float] | None = None,
@@ -684,32 +358,32 @@ def _norm(
 
 
 def _read(
-    leaves: Sequence[_Leaf], inv: torch.Tensor | float, check: bool | None, default: torch.device
+    leaves: Sequence[Leaf], inv: torch.Tensor | float, check: bool | None, default: torch.device
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The flag and the norm the unscale by ``inv`` would give, read from the scaled
     values, with nothing written: ``(flag, norm)`` on ``default``.
 
-    Two reads of each gradient: :func:`check_for_fused` for the flag (NaN or inf, and,
-    unless ``check`` is ``False``, a value the unscale would overflow), then the
-    float64 L2 norm of the scaled values times ``inv``, rounded once. PyTorch has no
-    kernel that gives both in one pass. For a power-of-two scale the norm is the
-    unscaled values' bit for bit (every product is exact); otherwise within a float32
-    ulp of it. A float16 or bfloat16 gradient is unscaled into a temporary of its
-    dtype first, so its norm is of the values the unscale would store (rounded to
-    half precision), as :meth:`TorchBackend.measure` defines it.
+    Two reads of each gradient: :func:`.torch_kernels.check_for_fused` for the flag
+    (NaN or inf, and, unless ``check`` is ``False``, a value the unscale would
+    overflow), then the float64 L2 norm of the scaled values times ``inv``, rounded
+    once. PyTorch has no kernel that gives both in one pass. For a power-of-two scale
+    the norm is the unscaled values' bit for bit (every product is exact); otherwise
+    within a float32 ulp of it. A float16 or bfloat16 gradient is unscaled into a
+    temporary of its dtype first, so its norm is of the values the unscale would
+    store (rounded to half precision), as :meth:`TorchBackend.measure` defines it.
     """
     values = [elements(leaf) for leaf in leaves]
-    buckets = _buckets(values)
+    buckets = kernels.buckets(values)
     found = {dev: torch.zeros((), dtype=torch.float32, device=dev) for dev in buckets}
-    checked = None if check is False else _on(inv, default).double()
-    check_for_fused(buckets, checked, found)
-    flag = _any_over_shards(leaves, _combine(found, default))
+    checked = None if check is False else kernels.on(inv, default).double()
+    kernels.check_for_fused(buckets, checked, found)
+    flag = any_over_shards(leaves, _found(found, default))
     measured: list[torch.Tensor] = []
     times: list[torch.Tensor | float] = []
     with torch.no_grad():
         for v in values:
             if v.dtype in _HALF:
-                measured.append((v.float() * _on(inv, v.device)).to(v.dtype))
+                measured.append((v.float() * kernels.on(inv, v.device)).to(v.dtype))
                 times.append(1.0)
             else:
                 measured.append(v)
@@ -718,7 +392,7 @@ def _read(
 
 
 def _unscale(
-    leaves: Sequence[_Leaf], scale: Any, inv: torch.Tensor | float, check: bool | None
+    leaves: Sequence[Leaf], scale: Any, inv: torch.Tensor | float, check: bool | None
 ) -> tuple[dict[int, torch.Tensor], list[torch.Tensor], torch.Tensor]:
     """Unscale the leaves in place: ``(replaced, values, flag)``.
 
@@ -735,11 +409,11 @@ def _unscale(
     for leaf in leaves:
         target = leaf.local
         if target.is_sparse and target.dtype == torch.float16:
-            target = _coalesced(target)
+            target = coalesced(target)
         targets.append(target)
-    buckets = _buckets(_values(t) for t in targets)
+    buckets = kernels.buckets(values_of(t) for t in targets)
     found = {dev: torch.zeros((), dtype=torch.float32, device=dev) for dev in buckets}
-    unscale_buckets(buckets, inv, found, check)
+    kernels.unscale_buckets(buckets, inv, found, check)
     summed: dict[torch.device, list[torch.Tensor]] = defaultdict(list)
     for i, unscaled in enumerate(targets):
         if unscaled.is_sparse and not unscaled.is_coalesced():
@@ -747,12 +421,14 @@ def _unscale(
             summed[unscaled.device].append(targets[i]._values())
     with torch.no_grad():
         for device, values in summed.items():
-            torch.maximum(found[device], _non_finite(values, device).float(), out=found[device])
+            torch.maximum(
+                found[device], kernels.non_finite(values, device).float(), out=found[device]
+            )
     for leaf, target in zip(leaves, targets, strict=True):
         if target is not leaf.local:
             replaced[id(leaf.tensor)] = target
-    flag = _any_over_shards(leaves, _combine(found, _default_device(scale)))
-    return replaced, [_values(t) for t in targets], flag
+    flag = any_over_shards(leaves, _found(found, _default_device(scale)))
+    return replaced, [values_of(t) for t in targets], flag
 
 
 def _put(grads: Any, replaced: dict[int, torch.Tensor]) -> Any:
@@ -763,9 +439,9 @@ def _put(grads: Any, replaced: dict[int, torch.Tensor]) -> Any:
 
 
 def _route(
-    leaves: Sequence[_Leaf], scale: Any, *, torch_kernels: bool = False
+    leaves: Sequence[Leaf], scale: Any, *, torch_kernels: bool = False
 ) -> tuple[_Prepared, float] | None:
-    """:func:`_host_route` for the leaves (each tensor once, as :func:`_leaves` gives
+    """:func:`_host_route` for the leaves (each tensor once, as :func:`leaves_of` gives
     them); never for a sharded one (its norm is summed over ranks between the read and
     the write)."""
     if any(leaf.spread is not None for leaf in leaves):
@@ -801,7 +477,7 @@ class Leaves:
 
     __slots__ = ("grads", "host", "leaves", "replaced", "values", "writable")
 
-    def __init__(self, grads: Any, leaves: list[_Leaf], writable: bool = True) -> None:
+    def __init__(self, grads: Any, leaves: list[Leaf], writable: bool = True) -> None:
         self.grads = grads
         self.leaves = leaves
         self.writable = writable
@@ -826,6 +502,14 @@ class TorchBackend(Backend):
     def __init__(self, *, unscale_skipped: bool = False) -> None:
         self.unscale_skipped = unscale_skipped
 
+    @property
+    def skipped_unscaled(self) -> TorchBackend:
+        """The backend the drop-in's clip uses: PyTorch's ``unscale_`` leaves a skipped
+        step's gradients unscaled, and so does this one's :meth:`rescale`, on every
+        route (this backend itself when it was made with ``unscale_skipped``, else
+        :data:`UNSCALED_ON_SKIP`)."""
+        return self if self.unscale_skipped else UNSCALED_ON_SKIP
+
     def leaves(self, grads: Any, *, writable: bool) -> Leaves:
         """See :meth:`scaler_core.Backend.leaves`: every leaf validated, each tensor once.
 
@@ -833,7 +517,7 @@ class TorchBackend(Backend):
         nothing is written, which :meth:`measure` keeps. A DTensor placed as a partial
         sum is refused (:class:`GradientValueError`).
         """
-        return Leaves(grads, _leaves(grads), writable)
+        return Leaves(grads, leaves_of(grads), writable)
 
     def unscale(self, leaves: Leaves, scale: Any) -> tuple[Any, torch.Tensor]:
         """See :meth:`scaler_core.Backend.unscale`: in place, one kernel per (device, dtype).
@@ -845,14 +529,12 @@ class TorchBackend(Backend):
         duplicate indices is read as summed, in a temporary).
         """
         if scale is None:
-            buckets = _buckets(elements(leaf) for leaf in leaves.leaves)
+            buckets = kernels.buckets(elements(leaf) for leaf in leaves.leaves)
             found = {
-                dev: _non_finite([t for ts in by_dtype.values() for t in ts], dev).float()
+                dev: kernels.non_finite([t for ts in by_dtype.values() for t in ts], dev).float()
                 for dev, by_dtype in buckets.items()
             }
-            return leaves.grads, _any_over_shards(
-                leaves.leaves, _combine(found, torch.device("cpu"))
-            )
+            return leaves.grads, any_over_shards(leaves.leaves, _found(found, _CPU))
         inv, check = inverse_scale(scale)
         replaced, _, flag = _unscale(leaves.leaves, scale, inv, check)
         return _put(leaves.grads, replaced), flag
@@ -946,7 +628,7 @@ class TorchBackend(Backend):
         coef = clip_coefficient(xp, norm.float(), max_norm)
         coef = torch.where(as_flag(xp, skip).to(coef.device), torch.ones_like(coef), coef)
         with torch.no_grad():
-            for device, by_dtype in _buckets(values).items():
+            for device, by_dtype in kernels.buckets(values).items():
                 for tensors in by_dtype.values():
                     torch._foreach_mul_(tensors, coef.to(device, non_blocking=True))
         return _put(leaves.grads, leaves.replaced)
@@ -985,7 +667,7 @@ class TorchBackend(Backend):
                 tensor of an accepted dtype.
             GradientValueError: As ``unscale``: a DTensor placed as a partial sum.
         """
-        leaves = _leaves(grads)  # each tensor once, at its first path
+        leaves = leaves_of(grads)  # each tensor once, at its first path
         rows: list[torch.Tensor] = []
         with torch.no_grad():
             for leaf in leaves:
@@ -1022,6 +704,12 @@ _COUNT_PIECE = 1 << 24
 
 def _default_device(scale: Any) -> torch.device:
     return scale.device if isinstance(scale, torch.Tensor) else torch.device("cpu")
+
+
+def _found(found: dict[torch.device, torch.Tensor], default: torch.device) -> torch.Tensor:
+    """The step flag of per-device found flags, on the first one's device (``default``
+    when there is none)."""
+    return kernels.any_found(found.values(), next(iter(found), default))
 
 
 BACKEND = TorchBackend()

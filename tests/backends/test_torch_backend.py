@@ -125,7 +125,7 @@ def test_the_route_for_devices_without_the_kernel_gives_the_kernels_bits(
     monkeypatch: pytest.MonkeyPatch, dtype: Any, scale: float
 ) -> None:
     """bfloat16 on CUDA (and other devices) unscales by _foreach_mul_: run it on the CPU."""
-    from scaler_core.backends import _torch
+    from scaler_core.backends import torch_kernels
 
     gen = torch.Generator().manual_seed(7)
     base = [(torch.randn(257, generator=gen) * 10.0 ** float(e)).to(dtype) for e in (-6, 0, 3, 30)]
@@ -138,7 +138,7 @@ def test_the_route_for_devices_without_the_kernel_gives_the_kernels_bits(
             "mul": [base[i].clone() for i in picks],
         }
         _, found_kernel = _ops.unscale(BACKEND, grads["kernel"], scale)
-        monkeypatch.setattr(_torch, "kernel_takes", lambda device, dtype: False)
+        monkeypatch.setattr(torch_kernels, "kernel_takes", lambda device, dtype: False)
         _, found_mul = _ops.unscale(BACKEND, grads["mul"], scale)
         monkeypatch.undo()
         assert bool(found_kernel) == bool(found_mul), picks

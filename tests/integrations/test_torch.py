@@ -530,9 +530,10 @@ def test_the_state_dict_carries_the_spike_fields_and_a_version_1_payload_loads()
     assert fresh.state.last_step is None
     _one_step(fresh, 1.0)  # the float32 statistics tensors live next to the counters
     assert fresh.state.last_step is sc.StepKind.COUNT
-    assert fresh._extra is not None
-    assert fresh._extra["norm_mean"].dtype == torch.float32
-    assert fresh._extra["norm_count"].dtype == torch.int32
+    extra = fresh._held.extra
+    assert extra is not None
+    assert extra["norm_mean"].dtype == torch.float32
+    assert extra["norm_count"].dtype == torch.int32
 
 
 def test_the_drop_in_refuses_spike_skipping_with_the_way_out() -> None:
@@ -563,10 +564,10 @@ def test_a_second_step_of_a_fused_optimizer_raises_pytorchs_error(cls: Any) -> N
 def _fused_run(cls: Any, make: Any, route: str, monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
     """Steps of a fused optimizer with overflows at the first step and later ones, a
     growth every 2 clean steps: what a framework can look at after each."""
-    from scaler_core.backends import _torch as torch_backend
+    from scaler_core.backends import torch_kernels
 
     if route == "device":  # an accelerator's route, driven with CPU tensors
-        monkeypatch.setattr(torch_backend, "reads_free", lambda device: False)
+        monkeypatch.setattr(torch_kernels, "reads_free", lambda device: False)
     torch.manual_seed(0)
     model = torch.nn.Linear(4, 3)
     opt = make(model.parameters())

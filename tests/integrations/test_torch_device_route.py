@@ -2,7 +2,7 @@
 
 On an accelerator nothing is read back: scales and flags stay on the device, a scale
 below 1 is checked there (masked), a bad device scale fails closed, a refused step is
-recorded in the state. ``backends._torch.reads_free`` is the one place the route is
+recorded in the state. ``backends.torch_kernels.reads_free`` is the one place the route is
 chosen; here it says "not free" for the CPU too, so CPU tensors take the device route,
 and every host read (``item``, ``tolist``, ``bool``, ``float``, ``int``, ``numpy``,
 ``cpu``) raises. The results are compared bit for bit with the host route's.
@@ -21,7 +21,7 @@ import pytest
 torch = pytest.importorskip("torch", reason="the torch integration needs PyTorch")
 
 from scaler_core import _ops  # noqa: E402
-from scaler_core.backends import _torch  # noqa: E402
+from scaler_core.backends import _torch, torch_kernels  # noqa: E402
 from scaler_core.torch import GradScaler  # noqa: E402
 
 pytestmark = pytest.mark.torch
@@ -36,7 +36,7 @@ class HostReadError(AssertionError):
 @pytest.fixture
 def device_route(monkeypatch: pytest.MonkeyPatch) -> Callable[[], Any]:
     """CPU tensors take the device route; the returned context forbids host reads."""
-    monkeypatch.setattr(_torch, "reads_free", lambda device: False)
+    monkeypatch.setattr(torch_kernels, "reads_free", lambda device: False)
 
     @contextlib.contextmanager
     def no_host_reads() -> Iterator[None]:
@@ -129,12 +129,12 @@ def test_the_device_route_gives_the_host_routes_bits_without_reading_anything(
 @contextlib.contextmanager
 def _restored_route() -> Iterator[None]:
     """The host route, for the expected values, inside a test that forced the device one."""
-    saved = _torch.reads_free
-    _torch.reads_free = lambda device: device.type == "cpu"
+    saved = torch_kernels.reads_free
+    torch_kernels.reads_free = lambda device: device.type == "cpu"
     try:
         yield
     finally:
-        _torch.reads_free = saved
+        torch_kernels.reads_free = saved
 
 
 @pytest.mark.parametrize("bad", [0.0, float("inf"), float("nan"), 1e-45])
@@ -204,7 +204,7 @@ def test_a_fused_optimizers_check_fails_closed_on_a_bad_device_scale(
     with device_route():
         inv, check = _torch.inverse_scale(torch.tensor(bad))
         assert check is None  # decided on the device
-        _torch.check_for_fused(_torch._buckets(grads), inv, found)
+        torch_kernels.check_for_fused(torch_kernels.buckets(grads), inv, found)
     assert float(found[torch.device("cpu")]) == 1.0
 
 

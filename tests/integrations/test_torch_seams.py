@@ -19,6 +19,7 @@ np = pytest.importorskip("numpy")
 
 import scaler_core as sc  # noqa: E402
 from scaler_core.torch import GradScaler  # noqa: E402
+from scaler_core.torch._held import HeldState  # noqa: E402
 
 pytestmark = pytest.mark.torch
 
@@ -481,8 +482,9 @@ def test_a_bad_pytorch_entry_beside_the_payload_loads_nothing(key: str, bad: Any
 @pytest.fixture
 def device_route(monkeypatch: pytest.MonkeyPatch) -> None:
     """The route an accelerator takes (the rules on the device, a failure recorded, not
-    raised), driven with CPU tensors: ``_host_route`` is where the route is decided."""
-    monkeypatch.setattr(GradScaler, "_host_route", lambda self: False)
+    raised), driven with CPU tensors: ``HeldState.host_route`` is where the drop-in's
+    route is decided."""
+    monkeypatch.setattr(HeldState, "host_route", staticmethod(lambda scale: False))
 
 
 class _Fused(torch.optim.SGD):

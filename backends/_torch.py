@@ -56,6 +56,7 @@ from ._torch_leaves import (
     sum_over_shards,
     values_of,
 )
+from ._torch_plans import TensorPlans
 
 __all__ = [
     "BACKEND",
@@ -449,6 +450,17 @@ def _route(
     return _host_route([leaf.local for leaf in leaves], scale, torch_kernels=torch_kernels)
 
 
+def _kept_route(leaves: Leaves, scale: Any) -> tuple[_plans.Plan, float] | None:
+    """:func:`_route` from a kept plan (:mod:`._torch_plans`), when the leaves have one
+    and the CPU route would take it (numba, the CPU's values read for free, a host
+    scale); ``None`` otherwise."""
+    planned = leaves.planned
+    if planned is None or _numpy.BACKEND.path != "numba" or not kernels.reads_free(_CPU):
+        return None
+    host = _host_scale(scale)
+    return None if host is None else (planned, host)
+
+
 class _HostPass(NamedTuple):
     """What :meth:`TorchBackend.measure` prepared on the CPU route, for :meth:`rescale`."""
 
@@ -475,12 +487,20 @@ class Leaves:
     be written at all: a measure there only reads, and no rescale may follow.
     """
 
-    __slots__ = ("grads", "host", "leaves", "replaced", "values", "writable")
+    __slots__ = ("grads", "host", "leaves", "planned", "replaced", "values", "writable")
 
-    def __init__(self, grads: Any, leaves: list[Leaf], writable: bool = True) -> None:
+    def __init__(
+        self,
+        grads: Any,
+        leaves: list[Leaf],
+        writable: bool = True,
+        planned: _plans.Plan | None = None,
+    ) -> None:
         self.grads = grads
         self.leaves = leaves
         self.writable = writable
+        #: A kept plan of these leaves for the numba kernels (:mod:`._torch_plans`).
+        self.planned = planned
         self.host: _HostPass | None = None
         self.values: list[torch.Tensor] | None = None
         self.replaced: dict[int, torch.Tensor] = {}
@@ -517,6 +537,9 @@ class TorchBackend(Backend):
         nothing is written, which :meth:`measure` keeps. A DTensor placed as a partial
         sum is refused (:class:`GradientValueError`).
         """
+        kept = _KEPT.lookup(grads)
+        if kept is not None:
+            return Leaves(grads, kept.leaves, writable, kept.plan)
         return Leaves(grads, leaves_of(grads), writable)
 
     def unscale(self, leaves: Leaves, scale: Any) -> tuple[Any, torch.Tensor]:
@@ -559,7 +582,11 @@ class TorchBackend(Backend):
         DTensor's is over all its shards.
         """
         inv, check = inverse_scale(scale)  # validates the scale, as unscale() does
-        route = _route(leaves.leaves, scale, torch_kernels=not write)
+        route: tuple[_Prepared, float] | None = _kept_route(leaves, scale)
+        if route is None:
+            route = _route(leaves.leaves, scale, torch_kernels=not write)
+            if route is not None and isinstance(route[0], _plans.Plan):
+                _KEPT.store(leaves.grads, leaves.leaves, route[0])
         if route is not None:
             prepared, host = route
             numpy_backend = _numpy.BACKEND  # the one _route planned for
@@ -700,6 +727,10 @@ class TorchBackend(Backend):
 #: Elements per piece when counting NaN and inf: the temporaries are bool tensors, so
 #: large pieces (few launches) stay small next to the gradients.
 _COUNT_PIECE = 1 << 24
+
+
+#: The plans of lists of many small CPU tensors, kept between calls.
+_KEPT = TensorPlans()
 
 
 def _default_device(scale: Any) -> torch.device:

@@ -26,6 +26,7 @@ import math
 import sys
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
+from typing import Literal, overload
 
 import torch
 
@@ -170,26 +171,48 @@ def non_finite(tensors: Sequence[torch.Tensor], device: torch.device) -> torch.T
     return ~torch.stack([torch.isfinite(n) for n in norms]).all()
 
 
-def any_found(flags: Iterable[torch.Tensor], device: torch.device) -> torch.Tensor:
+@overload
+def any_found(
+    flags: Iterable[torch.Tensor], device: torch.device, *, read: Literal[False] = False
+) -> torch.Tensor: ...
+@overload
+def any_found(
+    flags: Iterable[torch.Tensor], device: torch.device, *, read: Literal[True]
+) -> bool: ...
+def any_found(
+    flags: Iterable[torch.Tensor], device: torch.device, *, read: bool = False
+) -> torch.Tensor | bool:
     """The one step flag from per-device found flags: whether any is set.
 
     The one place per-device flags are combined, for the backend and the drop-in
     alike. Each flag is a 0-d tensor, a float 0.0/1.0 (as :func:`unscale_buckets`
-    leaves it) or a bool; a dict of them passes its ``.values()``. Nothing is read
-    back: each flag moves to ``device`` without a sync.
+    leaves it) or a bool; a dict of them passes its ``.values()``.
+
+    Args:
+        flags: The flags.
+        device: Where the combined flag lives.
+        read: Answer on the host, as a Python bool: flags whose values are read for
+            free (:func:`reads_free`) are read one by one, with no kernel; otherwise
+            they are combined on ``device`` and read once.
 
     Returns:
-        A 0-d ``torch.bool`` tensor on ``device``: ``False`` when there is no flag.
+        A 0-d ``torch.bool`` tensor on ``device`` (``False`` when there is no flag),
+        with no synchronisation; with ``read``, a bool.
 
     >>> import torch
     >>> from scaler_core.backends.torch_kernels import any_found
     >>> cpu = torch.device("cpu")
     >>> found = {cpu: torch.tensor(1.0)}
-    >>> any_found(found.values(), cpu)
-    tensor(True)
+    >>> any_found(found.values(), cpu), any_found(found.values(), cpu, read=True)
+    (tensor(True), True)
     >>> any_found([], cpu)
     tensor(False)
     """
+    if read:
+        flags = list(flags)
+        if all(reads_free(f.device) for f in flags):
+            return any(f.item() > 0 for f in flags)
+        return bool(any_found(flags, device).item())
     total: torch.Tensor | None = None
     for flag in flags:
         hit = (flag > 0).to(device, non_blocking=True)

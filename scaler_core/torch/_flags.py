@@ -54,7 +54,7 @@ def forbid(
 
 def read_any(found: dict[torch.device, torch.Tensor]) -> bool:
     """Whether any of an optimizer's flags is set, read on the host (one read)."""
-    return bool(found) and bool(kernels.any_found(found.values(), next(iter(found))).item())
+    return bool(found) and kernels.any_found(found.values(), next(iter(found)), read=True)
 
 
 def output_check(inv_scale: torch.Tensor, floor: float | None) -> bool | None:

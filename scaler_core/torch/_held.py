@@ -136,8 +136,9 @@ class HeldState:
     def step_flag(self, found: Iterable[torch.Tensor], scale: torch.Tensor) -> Any:
         """The step's flag from the optimizers' per-device flags: a bool on the host
         route (one read), a 0-d bool tensor on the scale's device otherwise."""
-        flag = kernels.any_found(found, scale.device)
-        return bool(flag.item()) if self.host_route(scale) else flag
+        if self.host_route(scale):
+            return kernels.any_found(found, scale.device, read=True)
+        return kernels.any_found(found, scale.device)
 
     def current(self, scale: torch.Tensor, tracker: torch.Tensor) -> ScalerState:
         """The host route's state: the copy kept at the last update while the two tensors

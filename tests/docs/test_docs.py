@@ -34,6 +34,7 @@ OPTIONAL = {
     "scaler_core.backends._torch": ("torch",),
     "scaler_core.backends._torch_host": ("torch",),
     "scaler_core.backends._torch_leaves": ("torch",),
+    "scaler_core.backends._torch_plans": ("torch",),
     "scaler_core.backends.torch_kernels": ("torch",),
     "scaler_core.torch._args": ("torch",),
     "scaler_core.torch._eager": ("torch",),

@@ -9,7 +9,6 @@ environment whose BLAS gives the shipped numbers.
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import platform
 import subprocess
@@ -20,6 +19,7 @@ from types import ModuleType
 from typing import Any
 
 import pytest
+from common_loading import load_file
 from hypothesis import HealthCheck, settings
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -49,13 +49,7 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 def _load_repo_module(relative: str) -> ModuleType:
     """A file of the repository (``benchmarks/...``) loaded by path, as its stem."""
-    path = ROOT / relative
-    spec = importlib.util.spec_from_file_location(path.stem, path)
-    assert spec is not None
-    assert spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_file(ROOT / relative)
 
 
 @pytest.fixture

@@ -25,7 +25,8 @@ Run them from a plain test function in your own test file::
 from typing import Any
 
 from .._errors import MissingDependencyError
-from ._contract import BACKEND_CHECKS, NAMESPACE_DUTIES, check_backend
+from ._checks_namespace import NAMESPACE_DUTIES
+from ._contract import BACKEND_CHECKS, check_backend
 
 try:
     from ._policy import (

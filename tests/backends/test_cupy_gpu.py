@@ -17,7 +17,6 @@ arithmetic given the same coefficient.
 
 from __future__ import annotations
 
-import importlib.util
 import math
 import warnings
 from collections.abc import Iterator
@@ -27,6 +26,8 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 import pytest
+from common_floats import BF16, DTYPES, UINT
+from common_loading import load_file
 from hypothesis import given, settings
 
 import scaler_core as sc
@@ -44,13 +45,7 @@ except Exception as exc:  # no driver / no device
 ON_CPU = _N_GPUS == 0
 _HERE = Path(__file__).resolve().parent
 if ON_CPU:
-    _spec = importlib.util.spec_from_file_location(
-        "cuda_on_cpu", _HERE / "cuda_on_cpu" / "build.py"
-    )
-    assert _spec is not None
-    assert _spec.loader is not None
-    BUILD = importlib.util.module_from_spec(_spec)
-    _spec.loader.exec_module(BUILD)
+    BUILD = load_file(_HERE / "cuda_on_cpu" / "build.py", "cuda_on_cpu")
     if BUILD.compiler() is None:
         pytest.skip(
             f"GPU tests of the CuPy backend: {_WHY}, and no C++ compiler to build the kernels "
@@ -74,9 +69,6 @@ from scaler_core.backends._numpy_reference import (  # noqa: E402
     unscaled_copy,
 )
 
-BF16 = np.dtype(ml_dtypes.bfloat16)
-DTYPES = [np.dtype(np.float16), BF16, np.dtype(np.float32), np.dtype(np.float64)]
-UINT = {2: np.uint16, 4: np.uint32, 8: np.uint64}
 NP = NumpyReferenceBackend()  # the reference implementation is the oracle
 CP = _cupy.CupyBackend() if ON_CPU else sc.get_backend("cupy")
 NUMPY = sc.get_backend("numpy")  # the fast NumPy backend, for the norms

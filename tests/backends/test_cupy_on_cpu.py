@@ -13,14 +13,14 @@ Skips where no C++ compiler or no CuPy is installed.
 
 from __future__ import annotations
 
-import importlib.util
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import ml_dtypes
 import numpy as np
 import pytest
+from common_floats import DTYPES, UINT, bits
+from common_loading import load_file
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -29,26 +29,9 @@ from scaler_core.testing import BACKEND_CHECKS, check_backend
 
 ROOT = Path(__file__).resolve().parents[2]
 SOURCE = (ROOT / "backends" / "_cupy_kernels.cu").read_text(encoding="utf-8")
-DTYPES = (
-    np.dtype(np.float16),
-    np.dtype(ml_dtypes.bfloat16),
-    np.dtype(np.float32),
-    np.dtype(np.float64),
-)
-UINT = {2: np.uint16, 4: np.uint32, 8: np.uint64}
 
 
-def _load_build() -> Any:
-    path = ROOT / "tests" / "backends" / "cuda_on_cpu" / "build.py"
-    spec = importlib.util.spec_from_file_location("cuda_on_cpu_build", path)
-    assert spec is not None
-    assert spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-BUILD = _load_build()
+BUILD = load_file(ROOT / "tests" / "backends" / "cuda_on_cpu" / "build.py", "cuda_on_cpu_build")
 
 
 @pytest.fixture(scope="module")
@@ -98,10 +81,6 @@ def _call(op: str, backend: Any, grads: list[Any], scale: Any, **kw: Any) -> tup
         return found, norm
     _, found, norm = _ops.unscale_and_clip(backend, grads, scale, kw["max_norm"])
     return found, norm
-
-
-def bits(a: np.ndarray) -> np.ndarray:
-    return np.ascontiguousarray(a).view(UINT[a.dtype.itemsize])
 
 
 def assert_same(got: tuple[Any, Any, Any], want: tuple[Any, Any, Any], case: str) -> None:

@@ -19,6 +19,7 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 import pytest
+from common_floats import UINT, bits
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -36,7 +37,6 @@ from scaler_core.testing import scales
 
 REFERENCE = NumpyReferenceBackend()
 DTYPES = [np.float16, ml_dtypes.bfloat16, np.float32, np.float64]
-_UINT = {2: np.uint16, 4: np.uint32, 8: np.uint64}
 
 try:
     import numba  # noqa: F401
@@ -103,7 +103,7 @@ def gradient(draw: st.DrawFn) -> tuple[np.ndarray, str]:
     kind = draw(st.sampled_from(["normal", "near_max", "tiny", "mixed", "raw"]))
     if kind == "raw":  # any bit pattern: NaN payloads, signalling NaNs, -0, subnormals, max
         raw = rng.integers(0, 1 << (8 * dtype.itemsize), big, dtype=np.uint64, endpoint=False)
-        base = raw.astype(_UINT[dtype.itemsize]).view(dtype)
+        base = raw.astype(UINT[dtype.itemsize]).view(dtype)
         values = None
     elif kind == "normal":
         values = rng.standard_normal(big) * 10.0 ** rng.integers(-3, 4)
@@ -177,10 +177,6 @@ def clone(grads: list[np.ndarray]) -> list[np.ndarray]:
         offset = g.__array_interface__["data"][0] - owner.__array_interface__["data"][0]
         out.append(np.ndarray(g.shape, g.dtype, buffer=raw, offset=offset, strides=g.strides))
     return out
-
-
-def bits(a: np.ndarray) -> np.ndarray:
-    return np.ascontiguousarray(a).view(_UINT[a.itemsize])
 
 
 def assert_same(left: list[np.ndarray], right: list[np.ndarray]) -> None:

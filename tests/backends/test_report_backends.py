@@ -19,119 +19,27 @@ from collections import namedtuple
 from typing import Any
 from unittest import mock
 
-import ml_dtypes
 import numpy as np
 import pytest
+from common_floats import BF16, DTYPES, UINT
+from common_report import expected, got, planted, same_errors, trees, walk
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import scaler_core as sc
 from scaler_core.backends import _common
 
-BF16 = np.dtype(ml_dtypes.bfloat16)
-DTYPES = [np.dtype(np.float16), BF16, np.dtype(np.float32), np.dtype(np.float64)]
-UINT = {2: np.uint16, 4: np.uint32, 8: np.uint64}
 SINT = {2: np.int16, 4: np.int32, 8: np.int64}
-#: (mantissa bits, exponent bits) of each dtype.
-LAYOUT = {
-    np.dtype(np.float16): (10, 5),
-    BF16: (7, 8),
-    np.dtype(np.float32): (23, 8),
-    np.dtype(np.float64): (52, 11),
-}
 HAS_TORCH = importlib.util.find_spec("torch") is not None
 HAS_JAX = importlib.util.find_spec("jax") is not None
-
-
-def planted(dtype: np.dtype[Any], shape: tuple[int, ...], seed: int, n_special: int) -> np.ndarray:
-    """Finite values (the largest finite ones too), with up to ``n_special`` elements set to
-    NaN (any payload, either sign), +inf or -inf at random places. C order."""
-    rng = np.random.default_rng(seed)
-    size = int(np.prod(shape))
-    biggest = float(np.finfo(np.float32 if dtype == BF16 else dtype).max)
-    values = rng.standard_normal(size) * 10.0 ** rng.integers(-3, 4, size)
-    if size:
-        pick = rng.random(size) < 0.2
-        values[pick] = rng.choice([biggest, -biggest, 0.0], int(pick.sum()))
-    out = values.astype(dtype)
-    bits = out.view(UINT[dtype.itemsize])
-    mantissa, exponent = LAYOUT[dtype]
-    ones = ((1 << exponent) - 1) << mantissa
-    sign = 1 << (mantissa + exponent)
-    for _ in range(n_special if size else 0):
-        i = int(rng.integers(size))
-        kind = rng.integers(3)
-        if kind == 0:
-            value = ones | int(rng.integers(1, 1 << mantissa)) | (sign if rng.integers(2) else 0)
-        else:
-            value = ones | (sign if kind == 2 else 0)
-        bits[i] = value
-    return out.reshape(shape)
 
 
 @st.composite
 def hosts(draw: st.DrawFn, dtypes: list[np.dtype[Any]]) -> np.ndarray:
     dtype = draw(st.sampled_from(dtypes))
     shape = draw(st.sampled_from([(), (0,), (1,), (7,), (3, 5), (2, 3, 4), (40,)]))
-    return planted(dtype, shape, draw(st.integers(0, 2**32 - 1)), draw(st.integers(0, 4)))
-
-
-def trees(leaf: st.SearchStrategy[Any]) -> st.SearchStrategy[Any]:
-    keys = st.text("abwz_0", min_size=1, max_size=3)
-    return st.recursive(
-        st.one_of(leaf, st.none()),
-        lambda children: st.one_of(
-            st.dictionaries(keys, children, max_size=4),
-            st.lists(children, max_size=4),
-            st.lists(children, min_size=1, max_size=3).map(tuple),  # () is one shared object
-        ),
-        max_leaves=8,
-    )
-
-
-def walk(tree: Any, path: str = "grads", *, sort_keys: bool = False) -> list[tuple[str, Any]]:
-    """``(path, leaf)`` in depth-first order (dict keys sorted, as JAX flattens them),
-    written here independently of the package."""
-    if tree is None:
-        return []
-    if isinstance(tree, dict):
-        keys = sorted(tree) if sort_keys else list(tree)
-        return [p for k in keys for p in walk(tree[k], f"{path}[{k!r}]", sort_keys=sort_keys)]
-    if isinstance(tree, tuple) and hasattr(tree, "_fields"):
-        items = zip(tree._fields, tree, strict=True)
-        return [p for k, v in items for p in walk(v, f"{path}.{k}", sort_keys=sort_keys)]
-    if isinstance(tree, (list, tuple)):
-        items = enumerate(tree)
-        return [p for i, v in items for p in walk(v, f"{path}[{i}]", sort_keys=sort_keys)]
-    return [(path, tree)]
-
-
-def expected(pairs: list[tuple[str, np.ndarray]]) -> list[tuple[str, int, int]]:
-    out = []
-    for path, host in pairs:
-        with np.errstate(invalid="ignore"):  # casting a signalling NaN may warn
-            wide = np.asarray(host, dtype=np.float64)
-        nan, inf = int(np.isnan(wide).sum()), int(np.isinf(wide).sum())
-        if nan or inf:
-            out.append((path, nan, inf))
-    return out
-
-
-def got(reports: tuple[sc.LeafReport, ...]) -> list[tuple[str, int, int]]:
-    assert isinstance(reports, tuple)
-    assert all(type(r) is sc.LeafReport for r in reports)
-    return [(r.path, r.nan, r.inf) for r in reports]
-
-
-def same_errors(tree: Any, backend: str) -> None:
-    """``non_finite_leaves`` raises exactly what ``unscale`` raises for ``tree``."""
-    with pytest.raises(sc.InvalidGradientError) as theirs:
-        sc.unscale(tree, 1.0, backend=backend)
-    with pytest.raises(sc.InvalidGradientError) as ours:
-        sc.non_finite_leaves(tree, backend=backend)
-    assert type(ours.value) is type(theirs.value)
-    assert str(ours.value) == str(theirs.value)
-    assert "grads[" in str(ours.value)
+    seed, n_special = draw(st.integers(0, 2**32 - 1)), draw(st.integers(0, 4))
+    return planted(dtype, shape, seed, n_special, tiny=False)
 
 
 # ==================================================================== torch

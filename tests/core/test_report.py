@@ -14,9 +14,10 @@ from collections import namedtuple
 from typing import Any
 from unittest import mock
 
-import ml_dtypes
 import numpy as np
 import pytest
+from common_floats import BF16, DTYPES, LAYOUT, UINT
+from common_report import expected, got, planted, same_errors, trees, walk
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -26,16 +27,6 @@ from scaler_core.backends import _common
 from scaler_core.backends._numpy import NumpyBackend
 from scaler_core.backends._numpy_reference import NumpyReferenceBackend
 
-BF16 = np.dtype(ml_dtypes.bfloat16)
-DTYPES = [np.dtype(np.float16), BF16, np.dtype(np.float32), np.dtype(np.float64)]
-UINT = {2: np.uint16, 4: np.uint32, 8: np.uint64}
-#: (mantissa bits, exponent bits) of each dtype, to plant NaNs with any payload and sign.
-LAYOUT = {
-    np.dtype(np.float16): (10, 5),
-    BF16: (7, 8),
-    np.dtype(np.float32): (23, 8),
-    np.dtype(np.float64): (52, 11),
-}
 HAS_NUMBA = importlib.util.find_spec("numba") is not None
 
 BACKENDS = [
@@ -51,34 +42,6 @@ BACKENDS = [
 
 
 # ------------------------------------------------------------------ trees
-def planted(dtype: np.dtype[Any], shape: tuple[int, ...], seed: int, n_special: int) -> np.ndarray:
-    """Finite values (near the dtype's edges too), with up to ``n_special`` elements set
-    to NaN (any payload, either sign), +inf or -inf at random places."""
-    rng = np.random.default_rng(seed)
-    size = int(np.prod(shape))
-    finite = np.finfo(np.float32 if dtype == BF16 else dtype)
-    edges = np.array([finite.max, -finite.max, finite.tiny, -0.0, 0.0], np.float64)
-    values = rng.standard_normal(size) * 10.0 ** rng.integers(-3, 4, size)
-    if size:
-        pick = rng.random(size) < 0.2
-        values[pick] = rng.choice(edges, int(pick.sum()))
-    out = values.astype(dtype)  # edges are exact in their own dtype
-    bits = out.view(UINT[dtype.itemsize])
-    mantissa, exponent = LAYOUT[dtype]
-    ones = ((1 << exponent) - 1) << mantissa
-    sign = 1 << (mantissa + exponent)
-    for _ in range(n_special if size else 0):
-        i = int(rng.integers(size))
-        kind = rng.integers(3)
-        if kind == 0:  # NaN: a nonzero mantissa, random payload and sign
-            payload = int(rng.integers(1, 1 << mantissa))
-            value = ones | payload | (sign if rng.integers(2) else 0)
-        else:  # +inf or -inf
-            value = ones | (sign if kind == 2 else 0)
-        bits[i] = value
-    return out.reshape(shape)
-
-
 @st.composite
 def leaves(draw: st.DrawFn, *, layouts: bool = True) -> np.ndarray:
     dtype = draw(st.sampled_from(DTYPES))
@@ -95,51 +58,6 @@ def leaves(draw: st.DrawFn, *, layouts: bool = True) -> np.ndarray:
     if layout == "reversed" and host.ndim:
         return np.ascontiguousarray(host[::-1])[::-1]  # negative strides
     return host
-
-
-def trees(leaf: st.SearchStrategy[Any]) -> st.SearchStrategy[Any]:
-    keys = st.text("abwz_0", min_size=1, max_size=3)
-    return st.recursive(
-        st.one_of(leaf, st.none()),
-        lambda children: st.one_of(
-            st.dictionaries(keys, children, max_size=4),
-            st.lists(children, max_size=4),
-            st.lists(children, min_size=1, max_size=3).map(tuple),  # () is one shared object
-        ),
-        max_leaves=8,
-    )
-
-
-def walk(tree: Any, path: str = "grads") -> list[tuple[str, Any]]:
-    """``(path, leaf)`` in depth-first order, written here independently of the package."""
-    if tree is None:
-        return []
-    if isinstance(tree, dict):
-        return [pair for k, v in tree.items() for pair in walk(v, f"{path}[{k!r}]")]
-    if isinstance(tree, tuple) and hasattr(tree, "_fields"):
-        return [
-            pair for k, v in zip(tree._fields, tree, strict=True) for pair in walk(v, f"{path}.{k}")
-        ]
-    if isinstance(tree, (list, tuple)):
-        return [pair for i, v in enumerate(tree) for pair in walk(v, f"{path}[{i}]")]
-    return [(path, tree)]
-
-
-def expected(pairs: list[tuple[str, np.ndarray]]) -> list[tuple[str, int, int]]:
-    out = []
-    for path, a in pairs:
-        with np.errstate(invalid="ignore"):  # casting a NaN (a signalling one) may warn
-            wide = np.asarray(a, dtype=np.float64)
-        nan, inf = int(np.isnan(wide).sum()), int(np.isinf(wide).sum())
-        if nan or inf:
-            out.append((path, nan, inf))
-    return out
-
-
-def got(reports: tuple[sc.LeafReport, ...]) -> list[tuple[str, int, int]]:
-    assert isinstance(reports, tuple)
-    assert all(type(r) is sc.LeafReport for r in reports)
-    return [(r.path, r.nan, r.inf) for r in reports]
 
 
 # ------------------------------------------------------------ the property
@@ -271,13 +189,7 @@ BAD_TREES = [
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("tree", BAD_TREES, ids=lambda t: repr(t)[:40])
 def test_bad_leaves_raise_what_unscale_raises(backend: Any, tree: Any) -> None:
-    with pytest.raises(sc.InvalidGradientError) as theirs:
-        sc.unscale(tree, 1.0, backend=backend)
-    with pytest.raises(sc.InvalidGradientError) as ours:
-        sc.non_finite_leaves(tree, backend=backend)
-    assert type(ours.value) is type(theirs.value)
-    assert str(ours.value) == str(theirs.value)
-    assert "grads[" in str(ours.value)
+    same_errors(tree, backend)
 
 
 def test_a_cycle_raises_what_unscale_raises() -> None:

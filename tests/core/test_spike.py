@@ -9,6 +9,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from common_checkpoints import version_1
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -270,20 +271,9 @@ def test_the_defaults_keep_spike_skipping_off_and_are_serialised_last() -> None:
 
 
 # --------------------------------------------------------------- checkpoints
-def _version_1(state: sc.ScalerState) -> dict[str, Any]:
-    """``state`` as scaler-core wrote it before spike skipping (schema version 1)."""
-    d = sc.to_dict(state)
-    d["version"] = 1
-    for key in ("spike_threshold", "spike_window"):
-        del d["config"][key]
-    for key in ("norm_mean", "norm_var", "norm_count", "last_kind"):
-        del d["state"][key]
-    return d
-
-
 def test_a_version_1_checkpoint_loads_with_spike_skipping_off_and_a_fresh_window() -> None:
     state = sc.update(sc.update(sc.init(sc.ScalerConfig(hysteresis=3)), True), False)
-    old = _version_1(state)
+    old = version_1(sc.to_dict(state))
     loaded = sc.from_dict(old)
     assert loaded.config == state.config
     assert loaded.config.spike_threshold is None

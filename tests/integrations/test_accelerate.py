@@ -26,6 +26,7 @@ torch = pytest.importorskip("torch", reason="the torch integration needs PyTorch
 accelerate = pytest.importorskip("accelerate", reason="needs accelerate (pip install accelerate)")
 from accelerate.state import AcceleratorState, GradientState  # noqa: E402
 from accelerate.utils import DistributedType, GradScalerKwargs, get_grad_scaler  # noqa: E402
+from common_torch import assert_same_optimizer_state  # noqa: E402
 
 import scaler_core as sc  # noqa: E402
 from scaler_core.accelerate import install  # noqa: E402
@@ -111,21 +112,13 @@ def _loop(as_on_a_gpu: Any, ours: bool) -> dict[str, Any]:
     }
 
 
-def _assert_same_state(ours: dict[int, Any], theirs: dict[int, Any]) -> None:
-    assert ours.keys() == theirs.keys()
-    for key, state in ours.items():
-        assert state.keys() == theirs[key].keys()
-        for name, value in state.items():
-            assert torch.equal(value, theirs[key][name]), (key, name)
-
-
 def _assert_trained_alike(ours: dict[str, Any], theirs: dict[str, Any]) -> None:
     assert ours["dtypes"] == theirs["dtypes"] == {torch.float16}  # autocast really ran
     assert ours["scales"] == theirs["scales"]
     assert ours.get("skipped") == theirs.get("skipped")
     for p, q in zip(ours["params"], theirs["params"], strict=True):
         assert torch.equal(p, q)
-    _assert_same_state(ours["state"], theirs["state"])
+    assert_same_optimizer_state(ours["state"], theirs["state"])
 
 
 def test_install_trains_as_accelerates_own_scaler(as_on_a_gpu: Any) -> None:

@@ -18,8 +18,10 @@ jax = pytest.importorskip("jax", reason="the JAX backend needs jax")
 jnp = pytest.importorskip("jax.numpy", reason="the JAX backend needs jax")
 jax_core = pytest.importorskip("jax.extend.core", reason="the JAX backend needs jax")
 
+from common_transitions import host_run  # noqa: E402
+
 import scaler_core as sc  # noqa: E402
-from scaler_core._state import DATA_FIELDS, classify, device_update, host_update  # noqa: E402
+from scaler_core._state import DATA_FIELDS, device_update, host_update  # noqa: E402
 from scaler_core.jax import to_device  # noqa: E402
 from scaler_core.testing import configs, flag_sequences, norm_sequences  # noqa: E402
 
@@ -291,16 +293,8 @@ def _scan(config: sc.ScalerConfig) -> Any:
 def test_device_transition_equals_host_transition(config: sc.ScalerConfig, flags: list) -> None:
     flags = (flags + [False] * FLAGS_LEN)[:FLAGS_LEN]
     traj = _scan(config)(to_device(sc.init(config)), jnp.asarray(flags))
-    host = sc.init(config)
-    failed: sc.Failure | None = None
-    for i, flag in enumerate(flags):
+    for i, (host, failed) in enumerate(host_run(config, flags)):
         dev = jax.tree_util.tree_map(lambda x, i=i: x[i], traj)
-        if failed is None:
-            kind = classify(host, flag)
-            if kind.fails:
-                failed = sc.Failure[kind.name]
-            else:
-                host = host_update(host, flag)
         if failed is None:
             assert _fields(dev) == _host_fields(host), f"step {i}"
         else:

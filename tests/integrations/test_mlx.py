@@ -20,11 +20,12 @@ mx = pytest.importorskip("mlx.core", reason="the MLX backend needs mlx")
 nn = pytest.importorskip("mlx.nn", reason="the MLX backend needs mlx")
 optim = pytest.importorskip("mlx.optimizers", reason="the MLX backend needs mlx")
 
-import ml_dtypes  # noqa: E402
+from common_floats import DTYPES, bits  # noqa: E402
+from common_transitions import host_run  # noqa: E402
 from mlx.utils import tree_flatten  # noqa: E402
 
 import scaler_core as sc  # noqa: E402
-from scaler_core._state import DATA_FIELDS, FLOAT_FIELDS, classify, host_update  # noqa: E402
+from scaler_core._state import DATA_FIELDS, FLOAT_FIELDS, host_update  # noqa: E402
 from scaler_core.backends import _mlx  # noqa: E402
 from scaler_core.mlx import (  # noqa: E402
     StateCell,
@@ -39,20 +40,13 @@ from scaler_core.testing import (  # noqa: E402
     flag_sequences,
     norm_sequences,
 )
-from scaler_core.testing._contract import _mlx_conversions  # noqa: E402
+from scaler_core.testing._conversions import mlx_conversions  # noqa: E402
 
-BF16 = np.dtype(ml_dtypes.bfloat16)
-DTYPES = (np.dtype(np.float16), BF16, np.dtype(np.float32), np.dtype(np.float64))
 FLAGS_LEN = 48
 
 
 #: NumPy to MLX and back, dtype for dtype: the contract suite's own conversions.
-to_mlx, to_numpy = _mlx_conversions()
-
-
-def bits(a: np.ndarray) -> np.ndarray:
-    a = np.ascontiguousarray(a)
-    return a.view({2: np.uint16, 4: np.uint32, 8: np.uint64}[a.dtype.itemsize])
+to_mlx, to_numpy = mlx_conversions()
 
 
 def f32_bits(value: float) -> int:
@@ -329,17 +323,9 @@ def test_the_compiled_transition_equals_the_host_rule_bit_for_bit(
 ) -> None:
     flags = (flags + [False] * FLAGS_LEN)[:FLAGS_LEN]
     cell, step = _compiled_steps(config, spikes=False)
-    host = sc.init(config)
-    failed: sc.Failure | None = None
-    for i, flag in enumerate(flags):
+    for i, (flag, (host, failed)) in enumerate(zip(flags, host_run(config, flags), strict=True)):
         step(mx.array(flag), mx.array(0.0))
         dev = cell.state
-        if failed is None:
-            kind = classify(host, flag)
-            if kind.fails:
-                failed = sc.Failure[kind.name]
-            else:
-                host = host_update(host, flag)
         if failed is None:
             assert _fields(dev) == _fields(host), f"step {i}"
             continue

@@ -37,6 +37,7 @@ torch = pytest.importorskip("torch", reason="the mmengine integration needs PyTo
 pytest.importorskip("mmengine", reason="needs mmengine (pip install mmengine)")
 # First, as it silences the torch.jit.script deprecation mmengine.optim's import raises.
 from scaler_core.mmengine import NAME, ScalerCoreAmpOptimWrapper  # noqa: E402, I001
+from common_torch import assert_same_optimizer_state  # noqa: E402
 from mmengine.hooks import Hook  # noqa: E402
 from mmengine.logging import MMLogger  # noqa: E402
 from mmengine.model import BaseModel  # noqa: E402
@@ -234,11 +235,7 @@ def _assert_trained_alike(ours: dict[str, Any], theirs: dict[str, Any]) -> None:
         assert torch.equal(p, q)
     a, b = ours["optimizer"], theirs["optimizer"]
     assert a["param_groups"] == b["param_groups"]  # the schedule's lr included
-    assert a["state"].keys() == b["state"].keys()
-    for key, state in a["state"].items():
-        assert state.keys() == b["state"][key].keys()
-        for name, value in state.items():
-            assert torch.equal(torch.as_tensor(value), torch.as_tensor(b["state"][key][name]))
+    assert_same_optimizer_state(a["state"], b["state"])
 
 
 CASES = {

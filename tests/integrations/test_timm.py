@@ -93,6 +93,7 @@ _TORCHVISION_SCHEMAS = _torchvision_ops()
 timm = pytest.importorskip(
     "timm", reason="needs timm: run .ci/oracles (or pip install timm torchvision)"
 )
+from common_torch import assert_same_optimizer_state  # noqa: E402
 from timm.models import load_checkpoint, model_parameters, resume_checkpoint  # noqa: E402
 from timm.optim import create_optimizer_v2  # noqa: E402
 from timm.scheduler import create_scheduler_v2  # noqa: E402
@@ -286,11 +287,7 @@ def _assert_same(ours: dict[str, Any], theirs: dict[str, Any]) -> None:
     for name in ("params", "ema"):
         for p, q in zip(ours[name], theirs[name], strict=True):
             assert torch.equal(p, q), name
-    assert ours["state"].keys() == theirs["state"].keys()
-    for key, state in ours["state"].items():
-        assert state.keys() == theirs["state"][key].keys()
-        for name, value in state.items():
-            assert torch.equal(value, theirs["state"][key][name]), (key, name)
+    assert_same_optimizer_state(ours["state"], theirs["state"])
     pytorchs = {k: v for k, v in ours["scaler"].items() if k != "scaler_core"}
     assert pytorchs == theirs["scaler"]
 

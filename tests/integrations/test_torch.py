@@ -17,6 +17,9 @@ import pytest
 
 torch = pytest.importorskip("torch", reason="the torch integration needs PyTorch")
 
+from common_checkpoints import version_1  # noqa: E402
+from common_torch import assert_same_optimizer_state, one_step  # noqa: E402
+
 import scaler_core as sc  # noqa: E402
 from scaler_core.torch import GradScaler  # noqa: E402
 
@@ -497,38 +500,23 @@ def test_a_new_scale_that_is_no_scale_is_refused(bad: Any) -> None:
     assert scaler.get_scale() == 1024.0
 
 
-def _one_step(scaler: GradScaler, grad: float) -> None:
-    param = torch.nn.Parameter(torch.ones(2))
-    opt = torch.optim.SGD([param], lr=0.1)
-    scaler.scale(param.sum()).backward()
-    param.grad = torch.full((2,), grad)
-    scaler.step(opt)
-    scaler.update()
-
-
 def test_the_state_dict_carries_the_spike_fields_and_a_version_1_payload_loads() -> None:
     scaler = GradScaler("cpu", init_scale=2.0**10, growth_interval=3)
-    _one_step(scaler, float("inf"))
-    _one_step(scaler, 1.0)
+    one_step(scaler, float("inf"))
+    one_step(scaler, 1.0)
     saved = scaler.state_dict()
     payload = saved["scaler_core"]
     assert payload["version"] == 2
     assert payload["state"]["last_kind"] == sc.StepKind.COUNT.code
     assert {"norm_mean", "norm_var", "norm_count"} <= set(payload["state"])
     assert payload["config"]["spike_threshold"] is None
-    # As scaler-core wrote it before spike skipping existed:
-    old = copy.deepcopy(payload)
-    old["version"] = 1
-    for key in ("spike_threshold", "spike_window"):
-        del old["config"][key]
-    for key in ("norm_mean", "norm_var", "norm_count", "last_kind"):
-        del old["state"][key]
+    old = version_1(payload)  # as scaler-core wrote it before spike skipping existed
     fresh = GradScaler("cpu")
     fresh.load_state_dict({**saved, "scaler_core": old})
     assert fresh.state.scale == scaler.state.scale == 2.0**9
     assert (fresh.state.steps, fresh.state.skipped_steps) == (2, 1)
     assert fresh.state.last_step is None
-    _one_step(fresh, 1.0)  # the float32 statistics tensors live next to the counters
+    one_step(fresh, 1.0)  # the float32 statistics tensors live next to the counters
     assert fresh.state.last_step is sc.StepKind.COUNT
     extra = fresh._held.extra
     assert extra is not None
@@ -593,15 +581,6 @@ def _fused_run(cls: Any, make: Any, route: str, monkeypatch: pytest.MonkeyPatch)
     return out
 
 
-def _assert_same_optimizer_state(ours: dict[str, Any], theirs: dict[str, Any]) -> None:
-    """Two ``optimizer.state_dict()``s hold the same state, tensor by tensor."""
-    assert ours["state"].keys() == theirs["state"].keys()
-    for key, state in ours["state"].items():
-        assert state.keys() == theirs["state"][key].keys()
-        for name, value in state.items():
-            assert torch.equal(value, theirs["state"][key][name]), (key, name)
-
-
 @pytest.mark.parametrize("route", ["host", "device"])
 @pytest.mark.parametrize(
     "make",
@@ -628,10 +607,12 @@ def test_a_fused_optimizer_is_called_on_every_step_as_pytorchs(
     assert ours["stepped"] == [s not in (0, 3) for s in range(7)]
     assert ours["scales"] == theirs["scales"]
     assert max(ours["scales"]) > 2.0**9  # it grew after the backoffs
-    _assert_same_optimizer_state(ours["state_after_first"], theirs["state_after_first"])
+    assert_same_optimizer_state(
+        ours["state_after_first"]["state"], theirs["state_after_first"]["state"]
+    )
     for a, b in zip(ours["params"], theirs["params"], strict=True):
         assert torch.equal(a, b)
-    _assert_same_optimizer_state(ours["state"], theirs["state"])
+    assert_same_optimizer_state(ours["state"]["state"], theirs["state"]["state"])
 
 
 @pytest.mark.parametrize("route", ["host", "device"])

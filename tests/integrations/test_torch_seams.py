@@ -17,6 +17,8 @@ from hypothesis import strategies as st
 torch = pytest.importorskip("torch", reason="the torch integration needs PyTorch")
 np = pytest.importorskip("numpy")
 
+from common_torch import one_step  # noqa: E402
+
 import scaler_core as sc  # noqa: E402
 from scaler_core.torch import GradScaler  # noqa: E402
 from scaler_core.torch._held import HeldState  # noqa: E402
@@ -188,19 +190,6 @@ def test_every_method_gives_the_eager_result_when_compiled(fresh_dynamo: Any) ->
 
 
 # ------------------------------------------------------------------------ setters
-def _run_step(scaler: Any, grad: float, before_update: Any = None) -> None:
-    """One iteration on a fresh parameter whose gradient is ``grad`` (inf: an overflow),
-    calling ``before_update(scaler)`` between ``step`` and ``update`` if given."""
-    param = torch.nn.Parameter(torch.ones(2))
-    opt = torch.optim.SGD([param], lr=0.1)
-    scaler.scale(param.sum()).backward()
-    param.grad = torch.full((2,), grad)
-    scaler.step(opt)
-    if before_update is not None:
-        before_update(scaler)
-    scaler.update()
-
-
 SETTERS = st.one_of(
     st.tuples(st.just("set_growth_factor"), st.sampled_from([1.5, 2.0, 3.0, 1.1])),
     st.tuples(st.just("set_backoff_factor"), st.sampled_from([0.25, 0.5, 0.9])),
@@ -215,10 +204,10 @@ EVENTS = st.lists(
 
 def _apply(scaler: Any, event: Any) -> None:
     if isinstance(event, bool):
-        _run_step(scaler, float("inf") if event else 1.0)
+        one_step(scaler, float("inf") if event else 1.0)
     elif isinstance(event[0], bool):
         name, value = event[1]
-        _run_step(scaler, float("inf") if event[0] else 1.0, lambda s: getattr(s, name)(value))
+        one_step(scaler, float("inf") if event[0] else 1.0, lambda s: getattr(s, name)(value))
     else:
         getattr(scaler, event[0])(event[1])
 
@@ -377,7 +366,7 @@ def _lockstep(scalers: list[Any], grads: list[float]) -> None:
     """Step every scaler alike and check they agree (the first is PyTorch's)."""
     for grad in grads:
         for scaler in scalers:
-            _run_step(scaler, grad)
+            one_step(scaler, grad)
         first = scalers[0]
         for other in scalers[1:]:
             assert other.get_scale() == first.get_scale(), grads

@@ -34,6 +34,7 @@ pytest.importorskip("datasets", reason="needs datasets (pip install datasets)")
 trl = pytest.importorskip("trl", reason="needs TRL (pip install trl)")
 from accelerate.state import AcceleratorState, GradientState  # noqa: E402
 from accelerate.utils import GradScalerKwargs  # noqa: E402
+from common_torch import assert_same_optimizer_state  # noqa: E402
 
 from scaler_core.accelerate import install  # noqa: E402
 from scaler_core.torch import GradScaler  # noqa: E402
@@ -184,11 +185,7 @@ def _assert_same_end(ours: dict[str, Any], theirs: dict[str, Any]) -> None:
     """The parameters and the optimizer state (moments, step counts) to the bit."""
     for p, q in zip(ours["params"], theirs["params"], strict=True):
         assert torch.equal(p, q)
-    assert ours["state"].keys() == theirs["state"].keys()
-    for key, state in ours["state"].items():
-        assert state.keys() == theirs["state"][key].keys()
-        for name, value in state.items():
-            assert torch.equal(value, theirs["state"][key][name]), (key, name)
+    assert_same_optimizer_state(ours["state"], theirs["state"])
 
 
 def _skipped(scales: list[float]) -> list[int]:

@@ -171,6 +171,9 @@ def non_finite(tensors: Sequence[torch.Tensor], device: torch.device) -> torch.T
     return ~torch.stack([torch.isfinite(n) for n in norms]).all()
 
 
+_CPU = torch.device("cpu")
+
+
 @overload
 def any_found(
     flags: Iterable[torch.Tensor], device: torch.device, *, read: Literal[False] = False
@@ -210,7 +213,7 @@ def any_found(
     """
     if read:
         flags = list(flags)
-        if all(reads_free(f.device) for f in flags):
+        if all(f.is_cpu for f in flags) and reads_free(_CPU):
             return any(f.item() > 0 for f in flags)
         return bool(any_found(flags, device).item())
     total: torch.Tensor | None = None

@@ -46,7 +46,7 @@ class HeldState:
         start: The state to start from (its config is the policy).
     """
 
-    __slots__ = ("config", "extra", "mirror", "start")
+    __slots__ = ("behind", "config", "extra", "inverse_of", "mirror", "start")
 
     def __init__(self, start: ScalerState) -> None:
         self.config: ScalerConfig = start.config
@@ -56,6 +56,11 @@ class HeldState:
         self.extra: dict[str, torch.Tensor] | None = None
         #: On the host route, the state at the last update (see :meth:`current`).
         self.mirror: ScalerState | None = None
+        #: Whether :attr:`extra` is behind :attr:`mirror`: the host route writes
+        #: PyTorch's two tensors at each update and the others only when read.
+        self.behind = False
+        #: The last inverse scale made, by the scale tensor's identity and version.
+        self.inverse_of: tuple[tuple[int, int], torch.Tensor] | None = None
 
     @classmethod
     def of(cls, config: ScalerConfig) -> HeldState:
@@ -96,8 +101,14 @@ class HeldState:
         }
 
     def device_state(self, scale: torch.Tensor, tracker: torch.Tensor) -> ScalerState:
-        """The state as it lives: 0-d tensors on the scale's device."""
+        """The state as it lives: 0-d tensors on the scale's device (brought up to
+        date first where the host route left them behind)."""
         extra: Any = self.extra
+        if self.behind:
+            self.behind = False
+            mirror = self.mirror
+            for name in _EXTRA:
+                extra[name].fill_(getattr(mirror, name))
         return ScalerState(self.config, scale, tracker, **extra)
 
     def read(
@@ -115,8 +126,23 @@ class HeldState:
     def raise_recorded(self, scale: torch.Tensor | None, tracker: torch.Tensor | None) -> None:
         """Raise a failure recorded on the device (one host read of its code)."""
         extra = self.extra
-        if scale is not None and tracker is not None and extra and int(extra["failure"].item()):
+        if scale is None or tracker is None or not extra:
+            return
+        failure = (
+            self.mirror.failure if self.behind and self.mirror else int(extra["failure"].item())
+        )
+        if failure:
             self.device_state(scale, tracker).check()
+
+    def inverse(self, scale: torch.Tensor) -> torch.Tensor:
+        """``1 / scale`` as PyTorch's ``unscale_`` makes it (in float64, then float32),
+        kept while the scale tensor is the same and unwritten (its version counter,
+        which every in-place write bumps; no value is read)."""
+        key = (id(scale), scale._version)
+        kept = self.inverse_of
+        if kept is None or kept[0] != key:
+            kept = self.inverse_of = (key, scale.double().reciprocal().float())
+        return kept[1]
 
     @staticmethod
     def host_route(scale: torch.Tensor) -> bool:
@@ -164,7 +190,6 @@ class HeldState:
             current = self.current(scale, tracker)
             new = host_update(current, flag)
             self._write(scale, tracker, current, new)
-            self.mirror = new
             return new
         new = get_backend("torch").update(self.device_state(scale, tracker), flag)
         self._copy(scale, tracker, new)
@@ -188,7 +213,6 @@ class HeldState:
             set_scale()
             new = dataclasses.replace(counted, config=current.config, scale=float(scale.item()))
             self._write(scale, tracker, current, new, skip=("scale",))
-            self.mirror = new
             return new
         if checked:  # counted on the device; a refused step is recorded there
             counted = get_backend("torch").update(
@@ -204,7 +228,7 @@ class HeldState:
         """Hold ``state`` (a loaded checkpoint): the start, and the tensors if made."""
         self.config = state.config
         self.start = state
-        self.mirror = None
+        self.mirror, self.behind = None, False
         if scale is not None and tracker is not None and self.extra is not None:
             for name in DATA_FIELDS:
                 self._field(scale, tracker, name).fill_(getattr(state, name))
@@ -229,11 +253,15 @@ class HeldState:
         new: ScalerState,
         skip: tuple[str, ...] = (),
     ) -> None:
-        """Fill the tensors of the fields (but ``skip``) whose host value changed."""
-        for name in DATA_FIELDS:
-            value = getattr(new, name)
-            if name not in skip and value != getattr(old, name):
-                self._field(scale, tracker, name).fill_(value)
+        """Hold ``new`` on the host route: fill PyTorch's two tensors (but ``skip``) where
+        their value changed; the other fields' tensors are filled when next read
+        (:meth:`device_state`)."""
+        if "scale" not in skip and new.scale != old.scale:
+            scale.fill_(new.scale)
+        if new.growth_tracker != old.growth_tracker:
+            tracker.fill_(new.growth_tracker)
+        self.mirror = new
+        self.behind = True
 
     def _copy(
         self,

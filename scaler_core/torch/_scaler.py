@@ -200,6 +200,19 @@ class GradScaler(torch.amp.GradScaler):
         self._state_held().attach(dev)
 
     # ------------------------------------------------------------ unscale, step
+    def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
+        """As PyTorch's (its errors, its result), with the inverse scale made once per
+        value the scale takes (:meth:`HeldState.inverse`)."""
+        if not self._enabled:
+            return
+        scale, optimizer_state = self._ready(optimizer)
+        found_inf = torch.zeros((), dtype=torch.float32, device=scale.device)
+        inverse = self._state_held().inverse(scale)
+        optimizer_state["found_inf_per_device"] = self._unscale_grads_(
+            optimizer, inverse, found_inf, False
+        )
+        optimizer_state["stage"] = OptState.UNSCALED
+
     def _unscale_grads_(
         self,
         optimizer: torch.optim.Optimizer,
@@ -211,7 +224,10 @@ class GradScaler(torch.amp.GradScaler):
         check of the unscaled values where the scale may be below 1."""
         buckets = self._step(optimizer, allow_fp16 or self._ALLOW_FP16).buckets
         devices = self._flag_devices(buckets, found_inf.device)
-        found = {dev: found_inf.to(dev, copy=True, non_blocking=True) for dev in devices}
+        found = {  # the zero flag given serves its own device
+            dev: found_inf if dev == found_inf.device else found_inf.to(dev, copy=True)
+            for dev in devices
+        }
         check = output_check(inv_scale, self._state_held().config.min_scale)
         kernels.unscale_buckets(buckets, inv_scale, found, check)
         self._reduce(found)
@@ -400,27 +416,19 @@ class GradScaler(torch.amp.GradScaler):
         listed = None if parameters is None else _params_of(optimizer)
         chosen = None if listed is None else _args.subset_of(parameters, listed)
         p_norm = _args.norm_type_of(norm_type)
+        clip = (max_norm, p_norm, error_if_nonfinite, foreach)  # clip_grad_norm_'s arguments
         if not self._enabled:
-            return torch.nn.utils.clip_grad_norm_(
-                _params_of(optimizer) if chosen is None else chosen,
-                max_norm,
-                p_norm,
-                error_if_nonfinite,
-                foreach,
-            )
+            everyone = _params_of(optimizer) if chosen is None else chosen
+            return torch.nn.utils.clip_grad_norm_(everyone, *clip)
         everything = chosen is None or {id(p) for p in chosen} == {id(p) for p in listed or ()}
         if p_norm != _args.L2 or error_if_nonfinite or not everything:
             _ops.max_norm_of(max_norm)  # checked before anything changes, as below
             chosen = _params_of(optimizer) if chosen is None else chosen
             if self._group() is None:
                 self.unscale_(optimizer)
-                self._norm = torch.nn.utils.clip_grad_norm_(
-                    chosen, max_norm, p_norm, error_if_nonfinite, foreach
-                )
-                return self._norm
-            self._norm = self._clip_over_group(
-                optimizer, chosen, max_norm, p_norm, error_if_nonfinite, foreach
-            )
+                self._norm = torch.nn.utils.clip_grad_norm_(chosen, *clip)
+            else:
+                self._norm = self._clip_over_group(optimizer, chosen, clip)
             return self._norm
         scale, optimizer_state = self._ready(optimizer)
         step = self._step(optimizer, self._ALLOW_FP16)  # PyTorch's checks, nothing changed
@@ -546,23 +554,15 @@ class GradScaler(torch.amp.GradScaler):
         self,
         optimizer: torch.optim.Optimizer,
         chosen: list[torch.Tensor],
-        max_norm: float,
-        norm_type: float,
-        error_if_nonfinite: bool,
-        foreach: bool | None,
+        clip: tuple[float, float, bool, bool | None],
     ) -> torch.Tensor:
-        """PyTorch's recipe (``unscale_``, then the clip) with the norm over the process
-        group (:func:`._groups.clip_to_group_norm`)."""
-        clip_with_norm = clip_with_norm_of(norm_type, error_if_nonfinite)
+        """PyTorch's recipe (``unscale_``, then the clip with ``clip_grad_norm_``'s
+        arguments) by the norm over the process group (:func:`._groups.clip_to_group_norm`)."""
+        clip_with_norm = clip_with_norm_of(clip[1], clip[2])
         self._check_shards(_params_of(optimizer))
         self.unscale_(optimizer)
-        return clip_to_group_norm(
-            clip_with_norm,
-            chosen,
-            (max_norm, norm_type, error_if_nonfinite, foreach),
-            cast(Group, self._group()),
-            cast(torch.Tensor, self._scale).device,
-        )
+        device = cast(torch.Tensor, self._scale).device
+        return clip_to_group_norm(clip_with_norm, chosen, clip, cast(Group, self._group()), device)
 
     def _decide(self, flag: torch.Tensor) -> torch.Tensor:
         """A measured flag as the step's decision (see :meth:`_reduce`), a bool tensor."""

@@ -225,3 +225,36 @@ def test_the_backend_keeps_a_list_of_many_tensors_planned_for_the_functional_api
     grads[-1] = torch.full((8,), 4.0)  # a new list entry: planned again
     sc.unscale_and_clip(grads, 2.0, 1.0)
     assert made == [1, 1]
+
+
+def test_the_inverse_scale_follows_every_write_of_the_scale() -> None:
+    """The drop-in makes ``1 / scale`` once per value the scale takes: a scale written
+    by an update, by ``update(new_scale)`` or directly into ``_scale`` (as some
+    frameworks do) unscales by its own inverse, as PyTorch's class does."""
+    params, opt = _model(count=3)
+    theirs_params = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    theirs_opt = torch.optim.SGD(theirs_params, lr=0.1)
+    ours = GradScaler("cpu", init_scale=2.0**10, growth_interval=1)
+    theirs = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=1)
+    writes = [None, "update", "new_scale", "direct", None]
+    for step, write in enumerate(writes):
+        for scaler in (ours, theirs):
+            scaler.scale(torch.ones(()))
+            if write == "direct":
+                scaler._scale.fill_(3.0)  # not a power of two: the inverse rounds
+        _fill(params, step)
+        for p, q in zip(theirs_params, params, strict=True):
+            q_grad = q.grad
+            assert q_grad is not None
+            p.grad = q_grad.clone()
+        ours.unscale_(opt)
+        theirs.unscale_(theirs_opt)
+        for p, q in zip(params, theirs_params, strict=True):
+            assert torch.equal(p.grad, q.grad)
+        ours.step(opt)
+        theirs.step(theirs_opt)
+        new_scale = 40.0 if write == "new_scale" else None
+        ours.update(new_scale)
+        theirs.update(new_scale)
+        assert ours.get_scale() == theirs.get_scale()
+    assert ours.state.steps == len(writes)

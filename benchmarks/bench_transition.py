@@ -1,19 +1,22 @@
-"""Why the transition has a host form beside its branch-free device form.
+"""What one transition costs on each namespace its one rule runs on.
 
-``scaler_core._state`` writes one rule twice: ``host_update`` (Python scalars,
-branches, a raise on a refused step) and ``device_update`` (branch-free over an
-array namespace, for ``jax.jit``, CuPy and torch devices). The property tests hold
-them equal bit for bit. One body for both would be ``device_update`` run on the
-host; this measures what that would cost on the step path of every host loop (the
-facade, ``scaler_core.update``, the drop-in with a CPU state), interleaved, medians
-of ``--reps`` rounds of ``--steps`` updates each:
+``scaler_core._rule.advance`` states the rule once, branch-free over an array
+namespace; ``host_update`` runs it on Python scalars (``scaler_core._rule.HOST``:
+``where`` is a conditional expression, float32 rounding is ``struct``), and
+``device_update`` on the 0-d arrays of any other namespace. The property tests
+hold every namespace equal bit for bit. This measures why the host keeps a
+namespace of its own rather than stepping through an array library: the cost on
+the step path of every host loop (the facade, ``scaler_core.update``, the drop-in
+with a CPU state), interleaved, medians of ``--reps`` rounds of ``--steps`` updates
+each:
 
-* ``host_update``: the host form;
-* ``device_update_numpy``: the one branch-free body on the host, through NumPy;
-* ``device_update_torch``: the same body through the drop-in's torch namespace on
+* ``host_update``: the rule on Python scalars;
+* ``device_update_numpy``: the same rule on NumPy 0-d arrays;
+* ``device_update_torch``: the same rule through the drop-in's torch namespace on
   CPU tensors (only when torch is installed).
 
-Each with spike skipping off (the default) and on (``--spikes``).
+Each with spike skipping off (the default) and on (``--spikes``, a norm of 1.0 on
+every step).
 
 Usage::
 

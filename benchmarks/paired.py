@@ -1,10 +1,10 @@
 """Two checkouts side by side: the hot calls of the built-in backends, before and after.
 
-A change to the core's checks (how a flag, a norm or a library is recognised) runs on
-every step of every backend. This measures what it costs: two worker processes, one
-importing scaler-core from a checkout of ``--before`` (a git revision, extracted with
-``git archive``), one from ``--after`` (a directory, the working tree by default), each
-with the same calls built the same way. The driver asks the two for one round at a
+A change to the core's checks (how a flag, a norm or a library is recognised) or to its
+transition runs on every step of every backend. This measures what it costs: two worker
+processes, one importing scaler-core from a checkout of ``--before`` (a git revision,
+extracted with ``git archive``), one from ``--after`` (a directory, the working tree by
+default), each with the same calls built the same way. The driver asks the two for one round at a
 time, alternating which goes first; a round times ``--calls`` calls of each case. It
 prints, per call, each side's median and fastest round and the median of the paired
 differences (after minus before, the two workers' rounds side by side), which is what
@@ -13,13 +13,19 @@ makes a difference of a few percent visible on a shared machine.
 Cases (``--cases``, all by default):
 
 * ``update_host_flag``: ``sc.update(state, numpy.bool_)``, the host flag path;
-* ``update_python_flag``: ``sc.update(state, False)``;
+* ``update_python_flag``: ``sc.update(state, False)``, the host transition;
+* ``update_python_flag_found``: ``sc.update(state, True)``, the host transition backing off;
+* ``host_update_spikes``: ``sc.update(state, False, 1.0)`` with spike skipping on (a full
+  window), the host transition with its spike arithmetic;
 * ``find_non_finite_unnamed`` / ``_named``: ``sc.find_non_finite`` on 200 NumPy arrays
   of 256 float32, the backend found from the arrays / named;
 * ``torch_device_update``: ``get_backend("torch").update(state, flag)`` with a 0-d bool
   tensor (the device transition on CPU tensors: the flag check and the library check);
 * ``torch_unscale``: ``sc.unscale`` on 200 torch tensors of 256 float32 (scale 1.0);
-* ``jax_update``: ``sc.update(state, flag)`` with a JAX flag, eagerly.
+* ``jax_update``: ``sc.update(state, flag)`` with a JAX flag, eagerly;
+* ``jax_jit_update`` / ``_spikes``: a ``jax.jit`` of ``sc.update(state, flag)`` (and of
+  ``sc.update(state, flag, norm)`` with spike skipping on), the state, the flag and the
+  norm on the device, timed to ``jax.block_until_ready`` of the new state.
 
 Usage::
 
@@ -47,11 +53,15 @@ ROOT = Path(__file__).resolve().parents[1]
 CASES = (
     "update_host_flag",
     "update_python_flag",
+    "update_python_flag_found",
+    "host_update_spikes",
     "find_non_finite_unnamed",
     "find_non_finite_named",
     "torch_device_update",
     "torch_unscale",
     "jax_update",
+    "jax_jit_update",
+    "jax_jit_update_spikes",
 )
 
 
@@ -68,16 +78,20 @@ def _build(case: str) -> Callable[[], Any] | None:  # noqa: PLR0911 - one return
         return lambda: sc.update(state, flag)
     if case == "update_python_flag":
         return lambda: sc.update(state, False)
+    if case == "update_python_flag_found":
+        return lambda: sc.update(state, True)
+    if case == "host_update_spikes":
+        spiking = _spiking()
+        return lambda: sc.update(spiking, False, 1.0)
     if case.startswith("find_non_finite"):
         grads = [np.ones(256, np.float32) for _ in range(200)]
         if case == "find_non_finite_named":
             return lambda: sc.find_non_finite(grads, backend="numpy")
         return lambda: sc.find_non_finite(grads)
+    if case.startswith("jax"):
+        return _build_jax(case, state)
     try:
-        if case.startswith("torch"):
-            import torch  # noqa: PLC0415
-        else:
-            import jax.numpy as jnp  # noqa: PLC0415
+        import torch  # noqa: PLC0415
     except ImportError:
         return None
     if case == "torch_device_update":
@@ -86,9 +100,39 @@ def _build(case: str) -> Callable[[], Any] | None:  # noqa: PLR0911 - one return
     if case == "torch_unscale":
         tgrads = [torch.ones(256) for _ in range(200)]
         return lambda: sc.unscale(tgrads, 1.0)
+    raise SystemExit(f"paired: unknown case {case!r}")
+
+
+def _spiking() -> Any:
+    """A host state with spike skipping on and a full window, so every step tests for a spike."""
+    import scaler_core as sc  # noqa: PLC0415
+
+    state = sc.init(sc.ScalerConfig(growth_interval=10**6, spike_threshold=6.0))
+    for i in range(state.config.spike_window):
+        state = sc.update(state, False, 1.0 + (i % 7) / 100)
+    return state
+
+
+def _build_jax(case: str, state: Any) -> Callable[[], Any] | None:
+    """A ``jax_*`` case (``None`` without JAX)."""
+    try:
+        import jax  # noqa: PLC0415
+        import jax.numpy as jnp  # noqa: PLC0415
+    except ImportError:
+        return None
+    import scaler_core as sc  # noqa: PLC0415
+    from scaler_core.jax import to_device  # noqa: PLC0415
+
+    jflag = jnp.asarray(False)
     if case == "jax_update":
-        jflag = jnp.asarray(False)
         return lambda: sc.update(state, jflag)
+    jitted = jax.jit(sc.update)
+    if case == "jax_jit_update":
+        on_device = to_device(state)
+        return lambda: jax.block_until_ready(jitted(on_device, jflag))
+    if case == "jax_jit_update_spikes":
+        spiking, norm = to_device(_spiking()), jnp.asarray(1.0, jnp.float32)
+        return lambda: jax.block_until_ready(jitted(spiking, jflag, norm))
     raise SystemExit(f"paired: unknown case {case!r}")
 
 

@@ -1,6 +1,6 @@
 """The transition, property-tested against a small independent reference model.
 
-The model below is written separately from ``scaler_core._state`` (NumPy float32
+The model below is written separately from ``scaler_core._rule`` (NumPy float32
 arithmetic instead of struct rounding, plain branches instead of StepKind), so a
 shared mistake is unlikely. A ``RuleBasedStateMachine`` steps both with random
 flags and checks the invariants after every step.
@@ -20,7 +20,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, ru
 
 import scaler_core as sc
 from scaler_core._f32 import INT32_MAX
-from scaler_core._state import DATA_FIELDS
+from scaler_core._state import DATA_FIELDS, ScalerState, _assemble, host_outcome
 from scaler_core.testing import check_invariants, configs, flag_sequences, states
 
 F32_TINY = float(np.finfo(np.float32).tiny)
@@ -32,7 +32,7 @@ class RefusedError(Exception):
 
 @dataclasses.dataclass
 class Model:
-    """An independent statement of the transition rules (the theory of operation of _state.py)."""
+    """An independent statement of the transition rules (the theory of operation of _rule.py)."""
 
     cfg: sc.ScalerConfig
     scale: np.float32
@@ -323,6 +323,38 @@ def test_device_equals_host_from_any_valid_state(state: sc.ScalerState, flags: l
     """From any state a checkpoint may hold (not only init), as from_dict accepts them."""
     with np.errstate(all="ignore"):
         _compare_device_and_host(state, state, flags)
+
+
+_NORMS = st.one_of(
+    st.floats(0, 1e6, width=32), st.sampled_from([0.0, 1.0, 2.0**-130, math.inf, math.nan])
+)
+
+
+@given(st.one_of(states(), states(configs(spikes=True))), st.booleans(), _NORMS)
+def test_the_host_and_a_device_read_one_rule(
+    state: sc.ScalerState, found: bool, norm: float
+) -> None:
+    """One step of the rule on Python scalars (the host) and on NumPy 0-d arrays (a
+    device) gives the same fields, bit for bit, a refused step's failure code included:
+    the host's outcome records it as the device does."""
+    host = host_outcome(state, found, norm)
+    with np.errstate(all="ignore"):  # float32 overflow is part of the rules on a device
+        dev = sc.device_update(np, state, np.bool_(found), np.float32(norm))
+    for name in DATA_FIELDS:
+        want, got = getattr(host, name), getattr(dev, name)
+        assert type(want) is (float if isinstance(want, float) else int), name
+        assert np.asarray(got).tobytes() == np.asarray(want, np.asarray(got).dtype).tobytes(), name
+
+
+@given(states())
+def test_assemble_builds_the_state_the_constructor_builds(state: sc.ScalerState) -> None:
+    built = _assemble(state.config, {n: getattr(state, n) for n in DATA_FIELDS})
+    assert type(built) is ScalerState
+    assert built == state
+    assert vars(built) == vars(state)
+    assert repr(built) == repr(state)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        built.scale = 1.0  # type: ignore[misc]
 
 
 def test_a_static_scale_never_touches_the_trackers() -> None:

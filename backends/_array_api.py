@@ -319,7 +319,7 @@ def _flag_and_norm(ns: ArrayApiNamespace, ys: Sequence[Any]) -> tuple[Any, Any]:
 
 
 class Prepared:
-    """What :meth:`ArrayApiBackend.leaves` returns: the tree, its leaves validated.
+    """What :meth:`ArrayApiBackend.plan` returns: the tree, its leaves validated.
 
     Attributes:
         grads: The gradient tree as given (returned as it is where nothing changes).
@@ -388,8 +388,8 @@ class ArrayApiBackend(Backend):
     def _serves(self, xp: Any) -> bool:
         return xp is not None and (self._xp is None or xp is self._xp)
 
-    def leaves(self, grads: Any, *, writable: bool) -> Prepared:
-        """See :meth:`scaler_core.Backend.leaves`: every leaf checked (an array of one
+    def plan(self, grads: Any, *, writable: bool) -> Prepared:
+        """See :meth:`scaler_core.Backend.plan`: every leaf checked (an array of one
         Array API namespace, of float16, bfloat16, float32 or float64), each array once;
         ``writable`` asks nothing (nothing is written)."""
         xp, first = self._xp, ""
@@ -460,8 +460,8 @@ class ArrayApiBackend(Backend):
         return (leaves.tree(out) if write else leaves.grads), found, norm
 
     @_quiet
-    def rescale(self, leaves: Prepared, scale: Any, norm: Any, max_norm: float, skip: Any) -> Any:
-        """See :meth:`scaler_core.Backend.rescale`: a new tree, leaf by leaf the given leaf
+    def clip(self, leaves: Prepared, scale: Any, norm: Any, max_norm: float, skip: Any) -> Any:
+        """See :meth:`scaler_core.Backend.clip`: a new tree, leaf by leaf the given leaf
         where ``skip`` (decided on the device, with ``where``), else the unscaled leaf times
         the clip coefficient."""
         ns = leaves.ns
@@ -520,9 +520,9 @@ class ArrayApiBackend(Backend):
         NaN and +-inf counts (``count_nonzero``), read back as ints.
 
         Raises:
-            GradientTypeError: As :meth:`leaves`.
+            GradientTypeError: As :meth:`plan`.
         """
-        prepared = self.leaves(grads, writable=False)
+        prepared = self.plan(grads, writable=False)
         xp = prepared.ns.xp
         return [
             (path, int(xp.count_nonzero(xp.isnan(g))), int(xp.count_nonzero(xp.isinf(g))))

@@ -10,14 +10,14 @@ element in a single pass over memory (``backends/_cupy_kernels.cu``). A
 non-contiguous array is copied into a contiguous buffer, goes through the same
 launch, and is copied back.
 
-The backend is its kernels (see :class:`scaler_core.Backend`): :meth:`CupyBackend.leaves`
+The backend is its kernels (see :class:`scaler_core.Backend`): :meth:`CupyBackend.plan`
 validates; :meth:`~CupyBackend.unscale` is the unscale (or, without a scale, the
 detection) launch; :meth:`~CupyBackend.measure` also produces the norm from the same
 walk: each block writes its float64 sum of squares to its own slot and one tiny
 launch adds the slots in a fixed order, so a norm is deterministic (no
-floating-point atomics); :meth:`~CupyBackend.rescale` is the clip launch, which reads
+floating-point atomics); :meth:`~CupyBackend.clip` is the clip launch, which reads
 the step's decision flag and the norm on the device and writes nothing on a skipped
-step. Clipping (measure without writing, the core's ``reduce`` of the flag, rescale)
+step. Clipping (measure without writing, the core's ``reduce`` of the flag, clip)
 is composed once, in ``scaler_core._ops``.
 
 Nothing here synchronises with the host except :meth:`CupyBackend.to_bool`:
@@ -341,14 +341,14 @@ def _cached(key: tuple[int, ...]) -> _Plan | None:
 
 
 class Prepared:
-    """What :meth:`CupyBackend.leaves` returns: one call's validated leaves and plan.
+    """What :meth:`CupyBackend.plan` returns: one call's validated leaves and plan.
 
     The leaves are validated when it is made. The plan (its chunk tables live on
     the GPU) comes from the cache then, or is built by the first pass once that
     pass has checked its scale (:func:`_plan_of`): a refused call does no device
     work and caches nothing. A measuring pass that writes nothing keeps its launch
     groups, its contiguous copies of the strided leaves and its scale here, for the
-    rescale pass that follows it.
+    clip pass that follows it.
     """
 
     __slots__ = ("arg", "copies", "grads", "groups", "key", "leaves", "plan", "scale")
@@ -622,8 +622,8 @@ class CupyBackend(Backend):
 
     name = "cupy"
 
-    def leaves(self, grads: Any, *, writable: bool) -> Prepared:
-        """See :meth:`scaler_core.Backend.leaves`: validated leaves, and their cached plan.
+    def plan(self, grads: Any, *, writable: bool) -> Prepared:
+        """See :meth:`scaler_core.Backend.plan`: validated leaves, and their cached plan.
 
         Every leaf is checked (a CuPy array of an accepted dtype, all on one GPU)
         before anything is done; a tree of the very same arrays as a cached plan
@@ -658,7 +658,7 @@ class CupyBackend(Backend):
         With ``write``, each launch does unscale's reads, writes and detection and
         adds up each block's float64 sum of squares; without it, the same launch
         reads only (flag and sums) and its groups and copies are kept in
-        ``leaves`` for :meth:`rescale`. One more tiny launch adds the blocks' sums
+        ``leaves`` for :meth:`clip`. One more tiny launch adds the blocks' sums
         in a fixed order (deterministic: no floating-point atomics) and rounds the
         square root to float32. The norm is a 0-d float32 CuPy array; nothing is
         read back.
@@ -676,8 +676,8 @@ class CupyBackend(Backend):
                 leaves.groups, leaves.copies, leaves.scale, leaves.arg = groups, copies, scale, arg
             return leaves.grads, found, norm
 
-    def rescale(self, leaves: Prepared, scale: Any, norm: Any, max_norm: float, skip: Any) -> Any:
-        """See :meth:`scaler_core.Backend.rescale`: one launch per dtype, no host sync.
+    def clip(self, leaves: Prepared, scale: Any, norm: Any, max_norm: float, skip: Any) -> Any:
+        """See :meth:`scaler_core.Backend.clip`: one launch per dtype, no host sync.
 
         The clip launch reads the decision flag ``skip`` and the norm from device
         memory: on a skipped step every block returns at once, so nothing is

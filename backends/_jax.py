@@ -275,7 +275,7 @@ def to_device(state: ScalerState) -> ScalerState:
 
 
 class Prepared:
-    """What :meth:`JaxBackend.leaves` returns: the tree, flattened once.
+    """What :meth:`JaxBackend.plan` returns: the tree, flattened once.
 
     Attributes:
         grads: The gradient tree as given (returned as it is where nothing is
@@ -283,7 +283,7 @@ class Prepared:
         leaves: Its leaves (``None`` skipped), validated.
         treedef: Its structure, to build the new tree the passes return.
         unscaled: ``(scale, leaves, inv)`` of the last :func:`_unscaled` call, so
-            the rescale pass reuses the measuring pass's unscaled leaves (eager
+            the clip pass reuses the measuring pass's unscaled leaves (eager
             calls would compute them twice; under ``jit`` XLA merges them anyway).
     """
 
@@ -317,8 +317,8 @@ class JaxBackend(Backend):
 
     name = "jax"
 
-    def leaves(self, grads: Any, *, writable: bool) -> Prepared:
-        """See :meth:`scaler_core.Backend.leaves`: the pytree flattened once, its leaves
+    def plan(self, grads: Any, *, writable: bool) -> Prepared:
+        """See :meth:`scaler_core.Backend.plan`: the pytree flattened once, its leaves
         validated (at trace time: types and dtypes are static)."""
         leaves, treedef, _ = jax_leaves(grads)
         return Prepared(grads, leaves, treedef)
@@ -343,8 +343,8 @@ class JaxBackend(Backend):
         grads = jax.tree_util.tree_unflatten(leaves.treedef, out) if write else leaves.grads
         return grads, found, _norm(out)
 
-    def rescale(self, leaves: Prepared, scale: Any, norm: Any, max_norm: float, skip: Any) -> Any:
-        """See :meth:`scaler_core.Backend.rescale`: a new tree, leaf by leaf the given
+    def clip(self, leaves: Prepared, scale: Any, norm: Any, max_norm: float, skip: Any) -> Any:
+        """See :meth:`scaler_core.Backend.clip`: a new tree, leaf by leaf the given
         leaf where ``skip`` (decided on the device: the very values given) and else
         the unscaled leaf times the clip coefficient."""
         flag = as_flag(NAMESPACE, skip)

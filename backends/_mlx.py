@@ -12,7 +12,7 @@ and a bad one fails closed (every gradient NaN, the flag set).
 Compiled functions are kept per pass, leaf dtypes and default device: a training
 loop compiles each pass once (``mx.compile`` itself retraces only when a shape
 changes). MLX is functional, as JAX is: every pass returns a new tree; the
-``writable`` of :meth:`MlxBackend.leaves` asks nothing of MLX arrays.
+``writable`` of :meth:`MlxBackend.plan` asks nothing of MLX arrays.
 
 The arithmetic is the rules': float16 and bfloat16 are computed in float32 and
 rounded back, float64 in float64. The norm's sum of squares is accumulated in
@@ -320,7 +320,7 @@ def _measure_with(wide: mx.Dtype, *, write: bool) -> Callable[..., Any]:
     return measure
 
 
-def _rescale(
+def _clip(
     leaves: list[mx.array], scale: mx.array, norm: mx.array, max_norm: float, skip: mx.array
 ) -> list[mx.array]:
     # max_norm is a Python float: mx.compile takes it as a constant (a new value traces
@@ -343,7 +343,7 @@ def compiled_passes(kind: str, dtypes: tuple[mx.Dtype, ...]) -> Callable[..., An
     """The compiled pass ``kind`` for leaves of ``dtypes`` on the default device, made once.
 
     ``kind`` is ``"detect"``, ``"unscale"``, ``"measure"`` (writing), ``"measure_ro"``
-    (the flag and the norm alone), ``"rescale"`` or ``"counts"``. Each is one
+    (the flag and the norm alone), ``"clip"`` or ``"counts"``. Each is one
     ``mx.compile``'d function; MLX recompiles it only for new shapes.
     """
     key = (kind, dtypes, str(mx.default_device()))
@@ -354,7 +354,7 @@ def compiled_passes(kind: str, dtypes: tuple[mx.Dtype, ...]) -> Callable[..., An
             "unscale": lambda: _unscale,
             "measure": lambda: _measure_with(_wide(), write=True),
             "measure_ro": lambda: _measure_with(_wide(), write=False),
-            "rescale": lambda: _rescale,
+            "clip": lambda: _clip,
             "counts": lambda: _counts,
         }
         with _LOCK:
@@ -363,7 +363,7 @@ def compiled_passes(kind: str, dtypes: tuple[mx.Dtype, ...]) -> Callable[..., An
 
 
 class Prepared:
-    """What :meth:`MlxBackend.leaves` returns: the tree and its validated leaves.
+    """What :meth:`MlxBackend.plan` returns: the tree and its validated leaves.
 
     Attributes:
         grads: The gradient tree as given (returned as it is where nothing is
@@ -425,8 +425,8 @@ class MlxBackend(Backend):
 
     name = "mlx"
 
-    def leaves(self, grads: Any, *, writable: bool) -> Prepared:
-        """See :meth:`scaler_core.Backend.leaves`: the tree flattened once, its leaves
+    def plan(self, grads: Any, *, writable: bool) -> Prepared:
+        """See :meth:`scaler_core.Backend.plan`: the tree flattened once, its leaves
         validated (MLX arrays are immutable: ``writable`` asks nothing of them)."""
         leaves, _ = _validated(grads)
         return Prepared(grads, leaves)
@@ -457,15 +457,15 @@ class MlxBackend(Backend):
         found, norm = compiled_passes("measure_ro", leaves.dtypes)(leaves.leaves, s)
         return leaves.grads, found, norm
 
-    def rescale(self, leaves: Prepared, scale: Any, norm: Any, max_norm: float, skip: Any) -> Any:
-        """See :meth:`scaler_core.Backend.rescale`: a new tree, leaf by leaf the given
+    def clip(self, leaves: Prepared, scale: Any, norm: Any, max_norm: float, skip: Any) -> Any:
+        """See :meth:`scaler_core.Backend.clip`: a new tree, leaf by leaf the given
         leaf where ``skip`` (decided on the device: the very values given), else the
         unscaled leaf times the clip coefficient; one compiled computation."""
         flag = as_flag(NAMESPACE, skip, "skip")
         s, _ = _scale_array(scale)
         if not leaves.leaves:
             return leaves.grads
-        out = compiled_passes("rescale", leaves.dtypes)(
+        out = compiled_passes("clip", leaves.dtypes)(
             leaves.leaves,
             s,
             NAMESPACE.asarray(norm, dtype=mx.float32),

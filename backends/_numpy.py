@@ -124,7 +124,7 @@ class NumpyBackend(NumpyReferenceBackend):
     >>> backend.path in ("numba", "numpy")
     True
     >>> g = [np.array([2.0, 4.0], np.float32), np.array([np.inf], np.float16)]
-    >>> _, found = backend.unscale(backend.leaves(g, writable=True), 2.0)
+    >>> _, found = backend.unscale(backend.plan(g, writable=True), 2.0)
     >>> g[0].tolist(), bool(found)
     ([1.0, 2.0], True)
     """
@@ -203,8 +203,8 @@ class NumpyBackend(NumpyReferenceBackend):
 
     # -- the backend ---------------------------------------------------------
 
-    def leaves(self, grads: Any, *, writable: bool) -> Prepared:
-        """See :meth:`scaler_core.Backend.leaves`: the arrays, or their cached plan."""
+    def plan(self, grads: Any, *, writable: bool) -> Prepared:
+        """See :meth:`scaler_core.Backend.plan`: the arrays, or their cached plan."""
         return Prepared(grads, self._prepare(grads, writable=writable))
 
     def unscale(self, leaves: Prepared, scale: Any) -> tuple[Any, np.bool_]:
@@ -252,22 +252,22 @@ class NumpyBackend(NumpyReferenceBackend):
             found, sums = self._measure(prepared, inv, write=write and inv != 1.0)
             return np.bool_(found), norm_of_sums(sums)
 
-    def rescale(self, leaves: Prepared, scale: Any, norm: Any, max_norm: float, skip: Any) -> Any:
-        """See :meth:`scaler_core.Backend.rescale`: one write unless skipped."""
+    def clip(self, leaves: Prepared, scale: Any, norm: Any, max_norm: float, skip: Any) -> Any:
+        """See :meth:`scaler_core.Backend.clip`: one write unless skipped."""
         if self.to_bool(skip):
             return leaves.grads
         inv = inv_scale_of(scale)
         if _shares_memory(leaves):
-            return REFERENCE.rescale(
+            return REFERENCE.clip(
                 Prepared(leaves.grads, _leaves(leaves.work)), scale, norm, max_norm, skip
             )
-        self.rescale_planned(leaves.work, inv, norm, max_norm)
+        self.clip_planned(leaves.work, inv, norm, max_norm)
         return leaves.grads
 
-    def rescale_planned(
+    def clip_planned(
         self, prepared: Plan | list[np.ndarray], inv: float, norm: Any, max_norm: float
     ) -> None:
-        """:meth:`rescale` of a step that is taken, for what :meth:`measure_planned` took."""
+        """:meth:`clip` of a step that is taken, for what :meth:`measure_planned` took."""
         with np.errstate(all="ignore"):
             coef = clip_coefficient(np, np.float32(norm), max_norm)
             if inv != 1.0 or coef != 1.0:  # else nothing would change: write nothing

@@ -106,14 +106,14 @@ def clip_in_place(g: np.ndarray, u: np.ndarray, coef: np.float32) -> None:
 
 
 class Prepared:
-    """What :meth:`NumpyReferenceBackend.leaves` returns: the tree and its work.
+    """What :meth:`NumpyReferenceBackend.plan` returns: the tree and its work.
 
     Attributes:
         grads: The gradient tree, returned as it is (NumPy works in place).
         work: The validated arrays, each once (the fast backend's may be a plan of
             them).
         shared: Whether two of the arrays share memory, once the fast backend has
-            looked (``None`` before): its measuring and rescale passes ask alike.
+            looked (``None`` before): its measuring and clip passes ask alike.
     """
 
     __slots__ = ("grads", "shared", "work")
@@ -189,8 +189,8 @@ class NumpyReferenceBackend(Backend):
 
     name = "numpy"
 
-    def leaves(self, grads: Any, *, writable: bool) -> Prepared:
-        """See :meth:`scaler_core.Backend.leaves`: the arrays, each once, in a list."""
+    def plan(self, grads: Any, *, writable: bool) -> Prepared:
+        """See :meth:`scaler_core.Backend.plan`: the arrays, each once, in a list."""
         return Prepared(grads, [leaf for _, leaf in numpy_leaves(grads, writable=writable)])
 
     def unscale(self, leaves: Prepared, scale: Any) -> tuple[Any, np.bool_]:
@@ -225,8 +225,8 @@ class NumpyReferenceBackend(Backend):
             norm = norm_of_sums(s for u in unscaled for s in chunk_sums(u))
         return leaves.grads, found, norm
 
-    def rescale(self, leaves: Prepared, scale: Any, norm: Any, max_norm: float, skip: Any) -> Any:
-        """See :meth:`scaler_core.Backend.rescale`: unscaled copies, times the coefficient."""
+    def clip(self, leaves: Prepared, scale: Any, norm: Any, max_norm: float, skip: Any) -> Any:
+        """See :meth:`scaler_core.Backend.clip`: unscaled copies, times the coefficient."""
         if self.to_bool(skip):
             return leaves.grads
         inv = inv_scale_of(scale)

@@ -462,7 +462,7 @@ def _kept_route(leaves: Leaves, scale: Any) -> tuple[_plans.Plan, float] | None:
 
 
 class _HostPass(NamedTuple):
-    """What :meth:`TorchBackend.measure` prepared on the CPU route, for :meth:`rescale`."""
+    """What :meth:`TorchBackend.measure` prepared on the CPU route, for :meth:`clip`."""
 
     #: The NumPy backend the read ran on (read per call: a test may swap it).
     numpy_backend: Any
@@ -475,8 +475,8 @@ class _HostPass(NamedTuple):
 
 
 class Leaves:
-    """What :meth:`TorchBackend.leaves` returns: the tree, its leaves validated (each
-    tensor once), and what the measuring pass leaves for :meth:`TorchBackend.rescale`.
+    """What :meth:`TorchBackend.plan` returns: the tree, its leaves validated (each
+    tensor once), and what the measuring pass leaves for :meth:`TorchBackend.clip`.
 
     ``host`` is set by a read-only :meth:`~TorchBackend.measure` on the CPU route
     (dense CPU tensors, a host scale): the plan its read made, reused by the write.
@@ -484,7 +484,7 @@ class Leaves:
     accelerator, sparse or sharded gradients), which unscales in place: the values
     the clip multiplies, and the coalesced tensors that take the place of sparse
     leaves in the returned tree. ``writable`` is ``False`` for leaves that must not
-    be written at all: a measure there only reads, and no rescale may follow.
+    be written at all: a measure there only reads, and no clip may follow.
     """
 
     __slots__ = ("grads", "host", "leaves", "planned", "replaced", "values", "writable")
@@ -510,7 +510,7 @@ class TorchBackend(Backend):
     """Unscale and detection for torch tensors; the flag is a 0-d ``torch.bool`` tensor.
 
     Args:
-        unscale_skipped: Whether :meth:`rescale` leaves a skipped step's gradients
+        unscale_skipped: Whether :meth:`clip` leaves a skipped step's gradients
             unscaled on the CPU route too, as ``torch.amp.GradScaler.unscale_`` leaves
             them and as the accelerator route does anyway (one write, on skipped steps
             only). The drop-in's clip asks for it; the backend protocol's rule (a
@@ -525,13 +525,13 @@ class TorchBackend(Backend):
     @property
     def skipped_unscaled(self) -> TorchBackend:
         """The backend the drop-in's clip uses: PyTorch's ``unscale_`` leaves a skipped
-        step's gradients unscaled, and so does this one's :meth:`rescale`, on every
+        step's gradients unscaled, and so does this one's :meth:`clip`, on every
         route (this backend itself when it was made with ``unscale_skipped``, else
         :data:`UNSCALED_ON_SKIP`)."""
         return self if self.unscale_skipped else UNSCALED_ON_SKIP
 
-    def leaves(self, grads: Any, *, writable: bool) -> Leaves:
-        """See :meth:`scaler_core.Backend.leaves`: every leaf validated, each tensor once.
+    def plan(self, grads: Any, *, writable: bool) -> Leaves:
+        """See :meth:`scaler_core.Backend.plan`: every leaf validated, each tensor once.
 
         Tensors have no read-only flag: ``writable=False`` is kept as a promise that
         nothing is written, which :meth:`measure` keeps. A DTensor placed as a partial
@@ -574,11 +574,11 @@ class TorchBackend(Backend):
         Elsewhere (an accelerator, sparse or sharded gradients) PyTorch's unscale
         kernel, then ``_foreach_norm`` in float64 (a second read: PyTorch has no fused
         kernel for both). For writable leaves this route stores the unscaled values
-        even without ``write``, and :meth:`rescale` then multiplies them by the
+        even without ``write``, and :meth:`clip` then multiplies them by the
         coefficient alone, so a skipped step's gradients are left unscaled, as
         ``unscale_`` leaves them. For leaves made with ``writable=False`` it writes
         nothing: two reads of the scaled values (:func:`_read`), and no
-        :meth:`rescale` follows. A sparse gradient's norm is its coalesced sum's; a
+        :meth:`clip` follows. A sparse gradient's norm is its coalesced sum's; a
         DTensor's is over all its shards.
         """
         inv, check = inverse_scale(scale)  # validates the scale, as unscale() does
@@ -599,7 +599,7 @@ class TorchBackend(Backend):
             elif isinstance(prepared, _plans.Plan):
                 found, norm = numpy_backend.measure_planned(prepared, host_inv, write=write)
             else:  # NumPy views: the NumPy backend validates and plans them
-                work = numpy_backend.leaves(prepared, writable=True)
+                work = numpy_backend.plan(prepared, writable=True)
                 _, found, norm = numpy_backend.measure(work, host, write=write)
             if not write:
                 leaves.host = _HostPass(numpy_backend, work, host, host_inv)
@@ -611,8 +611,8 @@ class TorchBackend(Backend):
             leaves.values, leaves.replaced = values, replaced
         return _put(leaves.grads, replaced), flag, _norm(leaves.leaves, values, flag.device)
 
-    def rescale(self, leaves: Leaves, scale: Any, norm: Any, max_norm: float, skip: Any) -> Any:
-        """See :meth:`scaler_core.Backend.rescale`, after :meth:`measure` without ``write``.
+    def clip(self, leaves: Leaves, scale: Any, norm: Any, max_norm: float, skip: Any) -> Any:
+        """See :meth:`scaler_core.Backend.clip`, after :meth:`measure` without ``write``.
 
         On CPU: unless ``skip`` (a CPU flag, read for free), one write of the unscaled
         values times the coefficient, through the plan the read made (with
@@ -626,7 +626,7 @@ class TorchBackend(Backend):
                 first (or this pass already did).
         """
         host, values = leaves.host, leaves.values
-        leaves.host = leaves.values = None  # one rescale per measure
+        leaves.host = leaves.values = None  # one clip per measure
         if host is not None:
             numpy_backend, prepared, scale_value, inv = host
             if self.to_bool(skip):
@@ -641,14 +641,14 @@ class TorchBackend(Backend):
                 if inv != 1.0 or coef != 1.0:  # else nothing would change: write nothing
                     _torch_host.write_clip(prepared, inv, float(coef))
             elif isinstance(prepared, _plans.Plan):
-                numpy_backend.rescale_planned(prepared, inv, host_norm, max_norm)
+                numpy_backend.clip_planned(prepared, inv, host_norm, max_norm)
             else:
-                numpy_backend.rescale(prepared, scale_value, host_norm, max_norm, np.False_)
+                numpy_backend.clip(prepared, scale_value, host_norm, max_norm, np.False_)
             return leaves.grads
         if values is None:
             raise LifecycleError(
-                "rescale() ran without a measure(..., write=False) on these leaves before it; "
-                "call leaves(), measure(write=False), then rescale() once (as "
+                "clip() ran without a measure(..., write=False) on these leaves before it; "
+                "call plan(), measure(write=False), then clip() once (as "
                 "scaler_core.unscale_and_clip does)"
             )
         xp = namespace_on(norm.device)

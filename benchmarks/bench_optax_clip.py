@@ -7,7 +7,7 @@ of ``--size`` elements), interleaved, medians of ``--reps`` rounds:
 * ``unscale_then_optax_clip``: ``scaler_core.unscale``, then
   ``optax.clip_by_global_norm(1.0)``, then the skip select (what
   ``optax.chain(optax.clip_by_global_norm(1.0), ...)`` inside
-  ``scaler_core.optax.loss_scaled`` computes);
+  ``scaler_core.optax.with_loss_scaling`` computes);
 * ``unscale``: ``scaler_core.unscale`` alone (one read, one write).
 
 Both clipping rows must agree to float32 rounding (checked before timing).

@@ -21,7 +21,7 @@ w_true = np.random.default_rng(0).standard_normal(8).astype(np.float32)  # same 
 w = np.zeros(8, np.float32)  # the replicated parameters
 data = np.random.default_rng(1 + rank)  # each rank its own data shard
 
-scaler = sc.GradScaler(
+scaler = sc.LossScaler(
     sc.ScalerConfig(init_scale=2.0**10, growth_interval=20),
     reduce_found=found_reducer(comm),  # OR the found flag across the replicas
 )
@@ -31,7 +31,7 @@ with abort_on_error(comm):  # an exception on one rank ends the job instead of h
         x = data.standard_normal((32, 8)).astype(np.float32)
         err = x @ w - x @ w_true
         # The backward pass of the scaled loss, with float16 gradients.
-        grads = {"w": (2 * x.T @ err / len(x) * scaler.scale).astype(np.float16)}
+        grads = {"w": (2 * x.T @ err / len(x) * scaler.current_scale()).astype(np.float16)}
         if rank == size - 1 and step % 50 == 7:
             grads["w"][0] = np.inf  # an overflow on one replica only
         grads = scaler.unscale(grads)  # local check, in place

@@ -32,7 +32,7 @@ XP = kit.DeviceNamespace(paddle, paddle.Tensor, full=full, floats=HALF + WIDE, w
 class PaddleBackend(sc.Backend):
     name, namespace = "paddle", staticmethod(lambda *values: XP)
 
-    def leaves(self, grads, *, writable):
+    def plan(self, grads, *, writable):
         return grads, kit.float_leaves(grads, XP)
 
     def unscale(self, leaves, scale):  # measure's flag (and one reduction more)
@@ -45,7 +45,7 @@ class PaddleBackend(sc.Backend):
         norm = sum((u.astype("float64").square().sum() for u in us), XP.float64(0.0)).sqrt()
         return leaves[0], self.any(*(~paddle.isfinite(u).all() for u in us)), norm.astype("float32")
 
-    def rescale(self, leaves, scale, norm, max_norm, skip):
+    def clip(self, leaves, scale, norm, max_norm, skip):
         inv, coef = kit.inverse_scale(XP, scale), kit.clip_coefficient(XP, norm, max_norm)
         for g in leaves[1]:
             paddle.assign(XP.where(self.any(skip), g, times(times(g, inv), coef)), g)

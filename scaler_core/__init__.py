@@ -2,8 +2,8 @@
 
 The pure core (config, state, transition, serialisation) imports no array
 library; backends for NumPy (default), CuPy, JAX, PyTorch, MLX and any Array API
-library load lazily, and ``scaler_core.torch.GradScaler`` is a drop-in for
-``torch.amp.GradScaler``.
+library load lazily. :class:`LossScaler` is the step-lifecycle facade for any of
+them, and ``scaler_core.torch.GradScaler`` is a drop-in for ``torch.amp.GradScaler``.
 
 >>> import numpy as np
 >>> import scaler_core as sc
@@ -16,6 +16,7 @@ library load lazily, and ``scaler_core.torch.GradScaler`` is a drop-in for
 """
 
 import os as _os
+from typing import TYPE_CHECKING as _TYPE_CHECKING
 
 # A source checkout keeps the backends beside this package, in backends/; the wheel
 # installs them inside it, as scaler_core/backends/. Run from a checkout (no
@@ -75,7 +76,7 @@ from ._errors import (  # noqa: E402
     SkipLimitError,
     TraceError,
 )
-from ._lifecycle import GradScaler, StepPhase, StepReport  # noqa: E402
+from ._lifecycle import LossScaler, StepPhase, StepReport  # noqa: E402
 from ._presets import PRESETS, PresetInfo, preset  # noqa: E402
 from ._report import LeafReport, non_finite_leaves  # noqa: E402
 from ._serialize import (  # noqa: E402
@@ -100,7 +101,6 @@ __all__ = [  # noqa: RUF022 - plain sorted(), which tests/core/test_public_api.p
     "BackendContractError",
     "BackendUnavailableError",
     "Failure",
-    "GradScaler",
     "GradientTypeError",
     "GradientValueError",
     "InvalidArgumentError",
@@ -109,6 +109,7 @@ __all__ = [  # noqa: RUF022 - plain sorted(), which tests/core/test_public_api.p
     "InvalidStateError",
     "LeafReport",
     "LifecycleError",
+    "LossScaler",
     "MissingDependencyError",
     "PRESETS",
     "PolicyViolationError",
@@ -142,3 +143,8 @@ __all__ = [  # noqa: RUF022 - plain sorted(), which tests/core/test_public_api.p
     "unscale_and_norm",
     "update",
 ]
+
+if not _TYPE_CHECKING:  # the old names, served (warning) as the new until the next release
+    from . import _deprecated
+
+    __getattr__ = _deprecated.module_getattr(__name__, {"GradScaler": "LossScaler"})

@@ -112,7 +112,7 @@ def update(state: ScalerState, found_non_finite: Any, grad_norm: Any = None) -> 
 
 
 # ------------------------------------------------------------------ user policies
-# A user's policy is called here, and only here, for every caller (GradScaler(policy=),
+# A user's policy is called here, and only here, for every caller (LossScaler(policy=),
 # simulate, check_policy), so it means one thing wherever it runs.
 
 #: ``policy(state, found) -> state``; ``policy(state, found, grad_norm)`` under spike skipping.
@@ -317,7 +317,7 @@ def unscale_and_clip(
     ``clip_grad_norm_`` coefficient, ``min(1, max_norm / (norm + 1e-6))`` formed in
     float32 as PyTorch forms it. Equivalent to ``unscale`` then
     ``torch.nn.utils.clip_grad_norm_(params, max_norm)``, for a step that is taken.
-    See :meth:`Backend.measure` and :meth:`Backend.rescale`.
+    See :meth:`Backend.measure` and :meth:`Backend.clip`.
 
     Returns:
         ``(grads, found, norm)``: ``norm`` is the norm before clipping, as

@@ -17,7 +17,7 @@ import operator
 from collections.abc import Callable, Iterable
 from typing import Any, Protocol, runtime_checkable
 
-from . import _ops, _registry
+from . import _deprecated, _ops, _registry
 from ._errors import BackendUnavailableError, GradientTypeError, InvalidArgumentError
 from ._state import ScalerState
 
@@ -39,10 +39,10 @@ class Backend(Protocol):
     """What every backend provides: its library's fused passes. The docstrings here
     are the contract.
 
-    A backend is a set of kernels, not a set of features: validated leaves, unscale
-    with detection, a measuring pass that can also write, a rescale pass that applies
-    the clip coefficient or nothing, ``scale_loss``, and its library's array
-    namespace. Every user-level operation (:func:`scaler_core.unscale`,
+    A backend is a set of kernels, not a set of features: a plan of the validated
+    gradients, unscale with detection, a measuring pass that can also write, a clip
+    pass that applies the clip coefficient or nothing, ``scale_loss``, and its
+    library's array namespace. Every user-level operation (:func:`scaler_core.unscale`,
     ``unscale_and_norm``, ``unscale_and_clip``, ``find_non_finite``,
     :func:`scaler_core.non_finite_leaves`, and the flag operations :meth:`select`,
     :meth:`any`, :meth:`to_bool` and :meth:`update`) is composed from these once, in
@@ -57,19 +57,28 @@ class Backend(Protocol):
     :func:`scaler_core.non_finite_leaves` reads: each leaf once (at its first path,
     in leaf order, the paths as in the backend's error messages) with its number of
     NaN and of +-inf elements, as Python ints read back to the host. It validates
-    the leaves as :meth:`leaves` does, read-only arrays accepted, and modifies
+    the leaves as :meth:`plan` does, read-only arrays accepted, and modifies
     nothing. The report itself is built once, by the core, for every backend.
     """
 
     #: The name the backend is registered under (``"numpy"``, ``"jax"``...).
     name: str
 
-    def leaves(self, grads: Any, *, writable: bool) -> Any:
-        """The leaves of ``grads``, validated, prepared for the passes below.
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        """A backend class written against the members' old names (``leaves`` and
+        ``rescale``, before they were renamed :meth:`plan` and :meth:`clip`) keeps
+        working until the next release, with a DeprecationWarning; the old names
+        stay callable on every backend class, warning."""
+        super().__init_subclass__(**kwargs)
+        if not cls.__dict__.get("_is_protocol", False):
+            _deprecated.name_old_members(cls)
+
+    def plan(self, grads: Any, *, writable: bool) -> Any:
+        """The plan of ``grads``: its leaves, validated, prepared for the passes below.
 
         What it returns is the backend's own (a list of arrays, a plan of address
         tables, a flattened pytree): the core only hands it back to :meth:`unscale`,
-        :meth:`measure` and :meth:`rescale`, which return the gradient tree from it.
+        :meth:`measure` and :meth:`clip`, which return the gradient tree from it.
 
         Args:
             grads: A gradient tree (nested dicts, lists, tuples; ``None`` leaves
@@ -94,7 +103,7 @@ class Backend(Protocol):
         element read once.
 
         Args:
-            leaves: What :meth:`leaves` returned.
+            leaves: What :meth:`plan` returned.
             scale: The current scale: a Python float, or a 0-d float32 array of
                 this backend's library (a device state's ``scale``); or ``None``.
 
@@ -124,9 +133,9 @@ class Backend(Protocol):
         With ``write`` the unscaled values are stored too (what :meth:`unscale`
         stores): unscale, detection and norm in one pass. Without it nothing is
         written, except on a backend that has no read-only pass, which may store
-        the unscaled values here and say so in its docs (its :meth:`rescale` then
-        applies the coefficient alone); given leaves made with ``writable=False``,
-        it writes nothing whatever it costs (no :meth:`rescale` follows those).
+        the unscaled values here and say so in its docs (its :meth:`clip` then
+        applies the coefficient alone); given a plan made with ``writable=False``,
+        it writes nothing whatever it costs (no :meth:`clip` follows those).
 
         Returns:
             ``(grads, found, norm)``.
@@ -136,7 +145,7 @@ class Backend(Protocol):
         """
         ...
 
-    def rescale(self, leaves: Any, scale: Any, norm: Any, max_norm: float, skip: Any) -> Any:
+    def clip(self, leaves: Any, scale: Any, norm: Any, max_norm: float, skip: Any) -> Any:
         """The clip pass after :meth:`measure` with ``write=False``: one write, or none.
 
         Unless ``skip`` (a flag, kept on the device) is true, stores, for every
@@ -148,7 +157,7 @@ class Backend(Protocol):
         nothing is written: the gradients keep their scaled values.
 
         Args:
-            leaves: The same :meth:`leaves` as the measuring pass had.
+            leaves: The same :meth:`plan` as the measuring pass had.
             scale: The same scale.
             norm: The norm :meth:`measure` returned.
             max_norm: A positive float, checked by the core.
@@ -280,7 +289,7 @@ def missing_members(obj: object) -> list[str]:
     is accepted or refused the same on every version ``requires-python`` allows.
 
     >>> missing_members(get_backend("numpy")), missing_members(object())[:2]
-    ([], ['any', 'leaves'])
+    ([], ['any', 'clip'])
     """
     missing = []
     for member in BACKEND_MEMBERS:
@@ -341,6 +350,9 @@ def get_backend(name: str | Backend = _registry.DEFAULT) -> Backend:
         return loaded  # type: ignore[no-any-return]
     if not isinstance(name, str):
         missing = missing_members(name)
+        if missing:  # a backend written against the old member names, until they go
+            _deprecated.adopt_old_members(name, missing)
+            missing = missing_members(name)
         if not missing:
             return name
         lacks = (
@@ -353,7 +365,11 @@ def get_backend(name: str | Backend = _registry.DEFAULT) -> Backend:
             f"backend={name!r}, but it must be a backend name {_registry.registered()!r} or "
             f"a Backend{lacks}"
         )
-    return _registry.load(name)  # type: ignore[no-any-return]
+    backend = _registry.load(name)  # once per name: later calls find it loaded, above
+    missing = missing_members(backend)
+    if missing:  # a backend written against the old member names, until they go
+        _deprecated.adopt_old_members(backend, missing)
+    return backend  # type: ignore[no-any-return]
 
 
 def available_backends() -> list[str]:

@@ -1,4 +1,4 @@
-"""The step-lifecycle facade: a ``GradScaler``-style object over the pure core.
+"""The step-lifecycle facade: :class:`LossScaler`, an object over the pure core.
 
 It holds the current state and backend and enforces the order of one training
 step: scale the loss, backward, unscale each gradient group once, decide
@@ -18,7 +18,7 @@ from collections.abc import Callable, Hashable, Mapping
 from types import MappingProxyType
 from typing import Any, TypeVar
 
-from . import _ops
+from . import _deprecated, _ops
 from ._api import PolicyStep, policy_name, policy_result, policy_step
 from ._api import update as _update
 from ._backend import Backend, backend_for, get_backend
@@ -35,14 +35,14 @@ from ._state import (
     step_skipped,
 )
 
-__all__ = ["TRANSITIONS", "Call", "GradScaler", "StepPhase", "StepReport"]
+__all__ = ["TRANSITIONS", "Call", "LossScaler", "StepPhase", "StepReport"]
 
 T = TypeVar("T")
 DEFAULT_GROUP = "default"
 
 
 class StepPhase(enum.Enum):
-    """Where a :class:`GradScaler` is within one training step."""
+    """Where a :class:`LossScaler` is within one training step."""
 
     #: No gradients checked since the last ``update()`` (or ever).
     READY = "ready"
@@ -151,7 +151,7 @@ TRANSITIONS: Mapping[StepPhase, Mapping[Call, StepPhase | str]] = MappingProxyTy
 
 @dataclasses.dataclass(frozen=True)
 class StepReport:
-    """What one step did, handed to ``on_step`` after each :meth:`GradScaler.update`.
+    """What one step did, handed to ``on_step`` after each :meth:`LossScaler.update`.
 
     Nothing here has been read back from a device: ``found``, ``grad_norm`` and
     the state's fields stay where they were computed, so building the report
@@ -162,8 +162,8 @@ class StepReport:
         state: The state after the step.
         found: The step's skip flag for non-finite gradients (after any reduction).
         grad_norm: The global L2 norm of the unscaled gradients, when the step
-            computed one (:meth:`GradScaler.unscale_and_clip`,
-            :meth:`GradScaler.unscale_and_norm`), else ``None``.
+            computed one (:meth:`LossScaler.unscale_and_clip`,
+            :meth:`LossScaler.unscale_and_norm`), else ``None``.
         leaves: With ``report_leaves=True``, the non-finite leaves of the
             step's gradients (only looked for on a step that found some).
     """
@@ -197,8 +197,13 @@ def _combined_norm(backend: Backend, norms: list[Any]) -> Any:
     return total
 
 
-class GradScaler:
+class LossScaler:
     """Holds a scaler's state and enforces the order of a training step.
+
+    The framework-agnostic facade, for any backend (it was called ``GradScaler``;
+    that name still works, deprecated). For PyTorch's own API (``scale(outputs)``,
+    ``unscale_(optimizer)``, ``step(optimizer)``) use the drop-in
+    ``scaler_core.torch.GradScaler``.
 
     Several gradient groups (one per optimizer, say) are unscaled separately;
     their flags are OR-ed, as are the flags of :meth:`find_non_finite` calls on
@@ -229,7 +234,7 @@ class GradScaler:
             for a device flag, one host read of the flag per unscale).
 
     >>> import numpy as np
-    >>> scaler = GradScaler()
+    >>> scaler = LossScaler()
     >>> grads = {"w": np.array([65536.0, -131072.0], np.float32)}
     >>> grads = scaler.unscale(grads)
     >>> grads["w"].tolist(), scaler.should_skip_step()
@@ -292,10 +297,15 @@ class GradScaler:
         """The current immutable state."""
         return self._state
 
-    @property
-    def scale(self) -> float:
+    def current_scale(self) -> float:
         """The current scale as a Python float (raises a recorded collapse)."""
         return self._state.current_scale()
+
+    @property
+    def scale(self) -> float:
+        """Deprecated: :meth:`current_scale` (``.scale`` of PyTorch's scaler multiplies)."""
+        _deprecated.warn("LossScaler.scale", "LossScaler.current_scale()")
+        return self.current_scale()
 
     @property
     def phase(self) -> StepPhase:
@@ -558,7 +568,7 @@ class GradScaler:
         self._state = state
 
     def __repr__(self) -> str:
-        return f"GradScaler(state={self._state!r})"
+        return f"LossScaler(state={self._state!r})"
 
     # ---------------------------------------------------------------- internal
     def _policy_step(self, config: ScalerConfig) -> PolicyStep:

@@ -1,9 +1,9 @@
 """Every gradient and flag operation, written once over a backend's passes and namespace.
 
 A backend provides the passes its array library really has (see
-:class:`scaler_core.Backend`): validated leaves, unscale with detection, a measuring
-pass that can also write, and a rescale pass that applies the clip coefficient or
-nothing. Each user-level operation is composed here, once, from those passes, and
+:class:`scaler_core.Backend`): a plan of the validated gradients, unscale with
+detection, a measuring pass that can also write, and a clip pass that applies the clip
+coefficient or nothing. Each user-level operation is composed here, once, from those passes, and
 the functional API, both facades, the optax wrapper and the torch drop-in call these
 functions and nothing below them: an operation added later is added here, not to
 every backend.
@@ -148,18 +148,18 @@ def _given(scale: Any) -> Any:
 def unscale(backend: Any, grads: Any, scale: Any) -> tuple[Any, Any]:
     """Every gradient times ``1/scale``, and one non-finite flag: ``(grads, found)``."""
     _given(scale)
-    return backend.unscale(backend.leaves(grads, writable=True), scale)  # type: ignore[no-any-return]
+    return backend.unscale(backend.plan(grads, writable=True), scale)  # type: ignore[no-any-return]
 
 
 def unscale_and_norm(backend: Any, grads: Any, scale: Any) -> tuple[Any, Any, Any]:
     """:func:`unscale` and the global L2 norm, one pass: ``(grads, found, norm)``."""
     _given(scale)
-    return backend.measure(backend.leaves(grads, writable=True), scale, write=True)  # type: ignore[no-any-return]
+    return backend.measure(backend.plan(grads, writable=True), scale, write=True)  # type: ignore[no-any-return]
 
 
 def find_non_finite(backend: Any, grads: Any) -> Any:
     """Whether any element is NaN or inf: one read, nothing written."""
-    _, found = backend.unscale(backend.leaves(grads, writable=False), None)
+    _, found = backend.unscale(backend.plan(grads, writable=False), None)
     return found
 
 
@@ -197,7 +197,7 @@ def unscale_and_clip(  # noqa: PLR0913 - the facades' two reductions, each its o
     step's decision (a facade ORs in its other groups and replicas there, on the
     device), and ``reduce_norm`` that norm into the one to clip by (a facade whose
     replicas each hold a shard of the gradients combines their norms there), in that
-    order. The rescale pass then stores each unscaled value times
+    order. The clip pass then stores each unscaled value times
     :func:`clip_coefficient`, or, on a skipped step, writes nothing.
 
     Returns:
@@ -210,10 +210,10 @@ def unscale_and_clip(  # noqa: PLR0913 - the facades' two reductions, each its o
             bad leaves or a bad scale. All before anything is modified.
     """
     limit = _clip_args(scale, max_norm, reduce, reduce_norm)
-    prepared = backend.leaves(grads, writable=True)
-    _, found, norm = backend.measure(prepared, scale, write=False)
+    plan = backend.plan(grads, writable=True)
+    _, found, norm = backend.measure(plan, scale, write=False)
     found, norm = _reduced(found, norm, reduce, reduce_norm)
-    return backend.rescale(prepared, scale, norm, limit, found), found, norm
+    return backend.clip(plan, scale, norm, limit, found), found, norm
 
 
 def _reduced(found: Any, norm: Any, reduce: Any, reduce_norm: Any) -> tuple[Any, Any]:
@@ -254,7 +254,7 @@ def fold_clip(  # noqa: PLR0913 - the facades' two reductions, each its own hook
         InvalidArgumentError: As :func:`unscale_and_clip`, before anything is read.
     """
     limit = _clip_args(scale, max_norm, reduce, reduce_norm)
-    _, found, norm = backend.measure(backend.leaves(grads, writable=False), scale, write=False)
+    _, found, norm = backend.measure(backend.plan(grads, writable=False), scale, write=False)
     found, norm = _reduced(found, norm, reduce, reduce_norm)
     return found, norm, clip_divisor(backend.namespace(norm), scale, norm, limit)
 

@@ -5,7 +5,7 @@ called. Typical data-parallel use, one process per GPU::
 
     from scaler_core.cupy import found_reducer, to_device
 
-    scaler = GradScaler(state=to_device(init()), reduce_found=found_reducer(comm))
+    scaler = LossScaler(state=to_device(init()), reduce_found=found_reducer(comm))
 
 The same two names exist in :mod:`scaler_core.jax` (axis names) and
 :mod:`scaler_core.mpi` (communicators).
@@ -99,7 +99,7 @@ def reduce_found(found: Any, comm: Any, *, stream: Any = None) -> Any:
 
 
 def found_reducer(comm: Any, *, stream: Any = None) -> Callable[[Any], Any]:
-    """:func:`reduce_found` over ``comm`` as a hook for ``GradScaler(reduce_found=...)``.
+    """:func:`reduce_found` over ``comm`` as a hook for ``LossScaler(reduce_found=...)``.
 
     Raises:
         BackendUnavailableError: CuPy or a GPU is missing.

@@ -6,7 +6,7 @@ Importing this module imports JAX (``import scaler_core`` alone never does).
   arrays, so ``jax.jit`` traces a training step once.
 * :func:`reduce_found` OR-reduces a found flag over a named mapped axis inside
   ``shard_map`` or ``pmap``, so every replica makes the same skip decision;
-  :func:`found_reducer` makes it a hook for ``GradScaler(reduce_found=...)``.
+  :func:`found_reducer` makes it a hook for ``LossScaler(reduce_found=...)``.
   With global sharded arrays under plain ``jax.jit`` nothing is needed: the
   flag of :func:`scaler_core.unscale` is already a reduction over the whole
   global array, and XLA inserts the collective.
@@ -81,7 +81,7 @@ def _check_axis(axis_name: Any) -> None:
 
 
 def found_reducer(axis_name: Any) -> Callable[[Any], jax.Array]:
-    """:func:`reduce_found` over ``axis_name`` as a hook for ``GradScaler(reduce_found=...)``.
+    """:func:`reduce_found` over ``axis_name`` as a hook for ``LossScaler(reduce_found=...)``.
 
     Raises:
         InvalidArgumentError: ``axis_name`` is ``None`` (checked now).

@@ -7,7 +7,7 @@ while the others step: their parameters and scaler states silently diverge, or
 they hang in the next collective. :func:`reduce_found` OR-reduces the found
 flag across a communicator with one small ``MPI_Allreduce`` (one byte,
 ``MPI.LOR``) per step, so every replica takes the same decision;
-:func:`found_reducer` plugs it into :class:`scaler_core.GradScaler`. (The same
+:func:`found_reducer` plugs it into :class:`scaler_core.LossScaler`. (The same
 two names exist in :mod:`scaler_core.jax` and :mod:`scaler_core.cupy`.)
 
 :func:`fingerprint` digests a state (its config and every field) and,
@@ -137,7 +137,7 @@ def reduce_found(found: Any, comm: Any, *, timeout: float | None = None) -> np.b
 
     Returns:
         The OR over all processes, as a NumPy bool (a host flag that
-        :func:`scaler_core.update` and :class:`scaler_core.GradScaler` accept).
+        :func:`scaler_core.update` and :class:`scaler_core.LossScaler` accept).
 
     Raises:
         InvalidArgumentError: ``comm`` is not a communicator, or ``timeout`` is
@@ -226,12 +226,12 @@ def _mpi() -> Any:
 
 
 def found_reducer(comm: Any, *, timeout: float | None = None) -> Callable[[Any], np.bool_]:
-    """A ``reduce_found`` hook for :class:`scaler_core.GradScaler` over ``comm``.
+    """A ``reduce_found`` hook for :class:`scaler_core.LossScaler` over ``comm``.
 
     The facade calls it once per step, on the OR of the local gradient groups,
     before the skip decision::
 
-        scaler = GradScaler(reduce_found=found_reducer(MPI.COMM_WORLD))
+        scaler = LossScaler(reduce_found=found_reducer(MPI.COMM_WORLD))
 
     Args:
         comm: An mpi4py communicator holding the data-parallel replicas.
@@ -300,7 +300,7 @@ def _param_leaves(params: Any) -> list[tuple[str, Any]]:
 def _need_state(state: object) -> ScalerState:
     if not isinstance(state, ScalerState):
         raise InvalidArgumentError(
-            f"state={state!r}, but it must be a ScalerState (GradScaler.state, or the "
+            f"state={state!r}, but it must be a ScalerState (LossScaler.state, or the "
             f"state returned by scaler_core.update)"
         )
     return state
@@ -434,7 +434,7 @@ def _mismatch(digests: list[bytes], described: list[dict[str, object]]) -> Repli
         f"states or parameters ({summary}). What differs:\n"
         + "\n".join(lines)
         + "\nEvery replica must take the same skip decision each step: OR-reduce the found "
-        "flag (GradScaler(reduce_found=found_reducer(comm)) or reduce_found(found, "
+        "flag (LossScaler(reduce_found=found_reducer(comm)) or reduce_found(found, "
         "comm)), and start every replica from the same checkpoint and initial parameters."
     )
     return ReplicaMismatchError(message, ordered, differences)
@@ -450,7 +450,7 @@ def check_consistent(state: ScalerState, comm: Any, params: Any = None) -> str:
     none is left waiting.
 
     Args:
-        state: This process's :class:`ScalerState` (``GradScaler.state``).
+        state: This process's :class:`ScalerState` (``LossScaler.state``).
         comm: An mpi4py communicator holding the data-parallel replicas.
         params: Optional tree of parameter arrays that must also be
             bit-identical across replicas (see :func:`fingerprint`).

@@ -2,7 +2,9 @@
 
 Importing this module imports JAX and optax (``import scaler_core`` never does).
 
-:func:`loss_scaled` wraps an ``optax.GradientTransformation``. Its ``update``
+:func:`with_loss_scaling` wraps an ``optax.GradientTransformation``;
+:func:`scale_loss` multiplies the loss by the scale its state holds, and
+:func:`current_scale` reads that scale. The wrapper's ``update``
 takes the gradients of the *scaled* loss, unscales them, detects non-finite
 values, runs the inner optimizer, and then *selects*: on a skipped step
 (:func:`scaler_core.step_skipped`: non-finite gradients, a spike, or a failure
@@ -11,9 +13,10 @@ recorded by this or an earlier step) the returned updates are ``-0.0`` (so
 payloads included) and the inner optimizer state is the old one, bit for bit;
 the scaler state advances either way. No host synchronisation: the whole step
 traces once. After a refused step (a collapse, the skip limit) nothing is
-applied any more, ``state.found`` stays true and ``state.scaler.failure`` holds
-the code; the first host-side look (:func:`loss_scale` outside ``jit``,
-``state.scaler.check()``, ``current_scale()``, ``scaler_core.to_dict``) raises.
+applied any more, ``state.skipped`` stays true and ``state.scaler.failure`` holds
+the code; the first host-side look (:func:`current_scale` outside ``jit``,
+``state.scaler.check()``, ``state.scaler.current_scale()``,
+``scaler_core.to_dict``) raises.
 
 Why select rather than zero the gradients: an optimizer fed zero gradients
 still steps. Adam's moments decay and its count advances, momentum keeps
@@ -21,15 +24,17 @@ moving the parameters, weight decay still shrinks them, and schedules move on.
 A skipped step must be a step that did not happen.
 
 >>> import jax, jax.numpy as jnp, optax
->>> from scaler_core.optax import loss_scale, loss_scaled
->>> tx = loss_scaled(optax.sgd(0.1))
+>>> from scaler_core.optax import current_scale, scale_loss, with_loss_scaling
+>>> tx = with_loss_scaling(optax.sgd(0.1))
 >>> params = {"w": jnp.array([1.0, -0.0])}
 >>> opt_state = tx.init(params)
 >>> grads = {"w": jnp.array([jnp.inf, 0.0])}   # gradients of loss * scale
 >>> updates, opt_state = tx.update(grads, opt_state, params)
 >>> new = optax.apply_updates(params, updates)
->>> bool(jnp.all(new["w"] == params["w"])), float(loss_scale(opt_state))
+>>> bool(jnp.all(new["w"] == params["w"])), float(current_scale(opt_state))
 (True, 32768.0)
+>>> float(scale_loss(jnp.float32(0.5), opt_state))
+16384.0
 """
 
 from __future__ import annotations
@@ -38,48 +43,61 @@ import dataclasses
 import functools
 import inspect
 import types
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import optax
 
-from . import _ops
+from . import _deprecated, _ops
 from ._config import ScalerConfig
 from ._errors import InvalidArgumentError
 from ._state import ScalerState, start_state, step_skipped
 from .backends._jax import BACKEND, to_device
 from .jax import reduce_found
 
-__all__ = ["LossScaledState", "loss_scale", "loss_scaled"]
+__all__ = ["LossScaledState", "current_scale", "scale_loss", "with_loss_scaling"]
+
+if not TYPE_CHECKING:  # the old names, served (warning) as the new until the next release
+    __getattr__ = _deprecated.module_getattr(
+        __name__, {"loss_scale": "current_scale", "loss_scaled": "with_loss_scaling"}
+    )
 
 
 class LossScaledState(NamedTuple):
-    """The optimizer state of :func:`loss_scaled`.
+    """The optimizer state of :func:`with_loss_scaling`.
 
     Attributes:
         inner: The wrapped optimizer's state.
         scaler: The :class:`~scaler_core.ScalerState` (on the device).
-        found: Whether the last step was skipped (a device bool a loop can log with
-            no host synchronisation): its gradients were non-finite, with spike
+        skipped: Whether the last step was skipped (a device bool a loop can log
+            with no host synchronisation): its gradients were non-finite, with spike
             skipping on its gradient norm was a spike, or a failure is recorded
             (``scaler.failure`` is nonzero from the refused step on, and then no
-            step is applied until the user deals with it; see :func:`loss_scale`).
+            step is applied until the user deals with it; see :func:`current_scale`).
     """
 
     inner: Any
     scaler: ScalerState
-    found: jax.Array
+    skipped: jax.Array
+
+    @property
+    def found(self) -> jax.Array:
+        """Deprecated: renamed :attr:`skipped` (it holds the skip decision)."""
+        _deprecated.warn("LossScaledState.found", "LossScaledState.skipped")
+        return self.skipped
 
 
-def loss_scale(state: LossScaledState) -> jax.Array:
-    """The scale to multiply the loss by this step (a 0-d float32 array).
+def current_scale(state: LossScaledState) -> jax.Array:
+    """The scale the loss is multiplied by this step (a 0-d float32 array).
 
-    ``state`` is the optimizer state of :func:`loss_scaled`, as optax returns it or
-    as flax NNX's ``nnx.Optimizer`` holds it (its leaves wrapped in NNX variables).
+    ``state`` is the optimizer state of :func:`with_loss_scaling`, as optax returns
+    it or as flax NNX's ``nnx.Optimizer`` holds it (its leaves wrapped in NNX
+    variables). Unlike :meth:`scaler_core.ScalerState.current_scale` it returns the
+    array, not a float, so a jitted step can multiply by it (:func:`scale_loss`).
 
     Inside ``jax.jit`` nothing is read: a failure recorded in the state travels on
-    (every step is then skipped, and ``state.found`` says so). Outside ``jit``,
+    (every step is then skipped, and ``state.skipped`` says so). Outside ``jit``,
     on concrete arrays, this is a host-side look: it reads the failure code back
     and raises the recorded failure (a replicated ``pmap`` state too).
 
@@ -95,12 +113,28 @@ def loss_scale(state: LossScaledState) -> jax.Array:
     if not isinstance(state, LossScaledState) or not isinstance(scaler, ScalerState):
         raise InvalidArgumentError(
             f"state={type(state).__qualname__}, but it must be the LossScaledState that "
-            f"loss_scaled(...).init returns (or an nnx.Optimizer's opt_state holding one)"
+            f"with_loss_scaling(...).init returns (or an nnx.Optimizer's opt_state holding "
+            f"one)"
         )
     scale, failure = _unwrap(scaler.scale), _unwrap(scaler.failure)
     if not isinstance(failure, jax.core.Tracer):  # a host-side look: raise a failure
         dataclasses.replace(scaler, scale=scale, failure=failure).check()
     return scale  # type: ignore[no-any-return]
+
+
+def scale_loss(loss: Any, state: LossScaledState) -> jax.Array:
+    """``loss * scale``, the scale of ``state`` (float32): differentiate this, not ``loss``.
+
+    Feed the gradients of what it returns to the ``update`` of
+    :func:`with_loss_scaling`. ``state`` is read as :func:`current_scale` reads it
+    (inside ``jax.jit`` nothing is read back; outside, a recorded failure raises).
+
+    Raises:
+        InvalidArgumentError: ``state`` is not a :class:`LossScaledState`.
+        ScaleCollapseError: As :func:`current_scale`.
+        SkipLimitError: As :func:`current_scale`.
+    """
+    return BACKEND.scale_loss(loss, current_scale(state))
 
 
 def _unwrap(value: Any) -> Any:
@@ -186,7 +220,7 @@ def _contents(cell: types.CellType) -> object:
         return None
 
 
-def loss_scaled(
+def with_loss_scaling(
     inner: optax.GradientTransformation,
     config: ScalerConfig | None = None,
     *,
@@ -195,7 +229,7 @@ def loss_scaled(
 ) -> optax.GradientTransformationExtraArgs:
     """Wrap ``inner`` so non-finite steps are skipped and the loss scale adapts.
 
-    Feed its ``update`` the gradients of ``loss * loss_scale(opt_state)``. It
+    Feed its ``update`` the gradients of ``scale_loss(loss, opt_state)``. It
     returns the inner optimizer's updates of the unscaled gradients, or, on a
     skipped step (:func:`scaler_core.step_skipped` of the updated scaler state),
     ``-0.0`` updates and the old inner state (see the module docstring for why
@@ -226,8 +260,8 @@ def loss_scaled(
         InvalidArgumentError: (at ``init``, before any state exists) the wrapper
             sits inside ``optax.MultiSteps``, directly or at any depth (through
             ``chain``, ``partition``, ``masked``, ``named_chain``, ...), which would
-            accumulate unchecked scaled gradients; ``loss_scaled(optax.MultiSteps(
-            ...))`` is the order that works.
+            accumulate unchecked scaled gradients; ``with_loss_scaling(
+            optax.MultiSteps(...))`` is the order that works.
     """
     start = start_state(config, state)
     _ops.require_float32_factors(BACKEND.namespace(), start.config)  # now, not when traced
@@ -237,11 +271,11 @@ def loss_scaled(
     def init_fn(params: Any) -> LossScaledState:
         if _held_by_a_running_multisteps((init_fn, update_fn)):
             raise InvalidArgumentError(
-                "optax.MultiSteps(loss_scaled(...)), with loss_scaled at any depth inside "
-                "MultiSteps' optimizer, accumulates the scaled gradients before they are "
-                "checked, and one overflow poisons every later window (MultiSteps' reset "
-                "multiplies inf by 0): every step is then skipped and the scale "
-                "driven down. Put the accumulation inside: loss_scaled(optax.MultiSteps("
+                "optax.MultiSteps(with_loss_scaling(...)), with with_loss_scaling at any "
+                "depth inside MultiSteps' optimizer, accumulates the scaled gradients before "
+                "they are checked, and one overflow poisons every later window (MultiSteps' "
+                "reset multiplies inf by 0): every step is then skipped and the scale "
+                "driven down. Put the accumulation inside: with_loss_scaling(optax.MultiSteps("
                 "inner, every_k_schedule=k)) checks each micro-batch before it is added"
             )
         return LossScaledState(inner.init(params), to_device(start), jnp.asarray(False))

@@ -49,7 +49,7 @@ import numpy as np
 from scaler_core._backend import get_backend
 from scaler_core._config import ScalerConfig
 from scaler_core._errors import InvalidArgumentError, MissingDependencyError
-from scaler_core._lifecycle import GradScaler
+from scaler_core._lifecycle import LossScaler
 
 from ._files import PLOT_FORMATS, check_output, write
 from ._plot import pyplot
@@ -460,7 +460,7 @@ def _train(
     x_train = xp.asarray(data.x_train)
     classes = np.arange(N_CLASSES)
     # The scaler takes its backend from the arrays it is given, like user code does.
-    scaler = GradScaler(settings.scaler_config()) if mode == "float16+scaler" else None
+    scaler = LossScaler(settings.scaler_config()) if mode == "float16+scaler" else None
     step_size = settings.lr / settings.loss_weight
     batches = np.random.default_rng(settings.seed + 2)
 
@@ -483,7 +483,7 @@ def _train(
         onehot = xp.asarray((data.y_train[idx][:, None] == classes).astype(np.float32))
         scale, factor = 1.0, weight
         if scaler is not None:
-            scale = scaler.scale
+            scale = scaler.current_scale()
             # Scaling the loss multiplies the gradient that seeds backward, so the
             # scaled loss weight is all backward needs to know.
             factor = scaler.scale_loss(weight)

@@ -121,18 +121,18 @@ def _first_changed(c: Check, paths: list[str], leaves: list[Any], hosts: list[An
 
 def _check_clip_passes(c: Check) -> None:
     """The passes under the clip, called as the core calls them, on a tree of every dtype:
-    the read-only pass writes nothing, a skipped step writes nothing, and ``rescale``
+    the read-only pass writes nothing, a skipped step writes nothing, and ``clip``
     stores the rules' values, the coefficient clamped at 1."""
     backend, scale = c.backend, 1024.0
     tree, leaves, paths, hosts = _clip_tree(c, scale)
     exact = _exact_norm(unscaled(h, scale) for h in hosts)
-    call = "measure(leaves(grads, writable=False), scale, write=False)"
+    call = "measure(plan(grads, writable=False), scale, write=False)"
     c.now(call)
-    _, found, norm = backend.measure(backend.leaves(tree, writable=False), scale, write=False)
+    _, found, norm = backend.measure(backend.plan(tree, writable=False), scale, write=False)
     changed = _first_changed(c, paths, leaves, hosts)
     if changed:
         raise c.fail(
-            f"{call} changed {changed}, but on leaves made with writable=False measure "
+            f"{call} changed {changed}, but on a plan made with writable=False measure "
             f"must write nothing (the read-only pass: fold_clip measures gradients that a "
             f"fused optimizer then reads, still scaled)"
         )
@@ -141,9 +141,9 @@ def _check_clip_passes(c: Check) -> None:
         raise c.fail(f"{call} gave the norm {got!r}, the exact one is {exact!r}")
     for nan_at in (1, None):  # a NaN flags the skip; else the caller's decision does
         tree, leaves, paths, hosts = _clip_tree(c, scale, nan_at)
-        call = "measure(leaves(grads, writable=True), scale, write=False)"
+        call = "measure(plan(grads, writable=True), scale, write=False)"
         c.now(call)
-        prepared = backend.leaves(tree, writable=True)
+        prepared = backend.plan(tree, writable=True)
         _, found, norm = backend.measure(prepared, scale, write=False)
         changed = _first_changed(c, paths, leaves, hosts)
         if changed:
@@ -153,28 +153,28 @@ def _check_clip_passes(c: Check) -> None:
                 f"values"
             )
         skip = found if nan_at is not None else backend.any(found, True)
-        call = "rescale(leaves, scale, norm, max_norm=1.0, skip=<a true flag>)"
+        call = "clip(plan, scale, norm, max_norm=1.0, skip=<a true flag>)"
         c.now(call)
-        out = backend.rescale(prepared, scale, norm, 1.0, skip)
+        out = backend.clip(prepared, scale, norm, 1.0, skip)
         changed = _first_changed(c, paths, leaves, hosts) or _first_changed(
             c, paths, _tree_leaves(out), hosts
         )
         if changed:
             raise c.fail(
-                f"{call} changed {changed}, but on a skipped step rescale must write "
+                f"{call} changed {changed}, but on a skipped step clip must write "
                 f"nothing: the gradients keep their scaled values"
             )
     for factor in (0.25, 20.0):  # max_norm below the norm, then above it
         tree, leaves, paths, hosts = _clip_tree(c, scale)
         max_norm = float(f32(exact * factor))
-        prepared = backend.leaves(tree, writable=True)
-        c.now("measure(leaves(grads, writable=True), scale, write=False)")
+        prepared = backend.plan(tree, writable=True)
+        c.now("measure(plan(grads, writable=True), scale, write=False)")
         _, found, norm = backend.measure(prepared, scale, write=False)
         measured = float(c.host(norm))
         coef = _coefficient(measured, max_norm)
-        call = f"rescale(leaves, scale, norm={measured!r}, max_norm={max_norm!r}, skip=False)"
+        call = f"clip(plan, scale, norm={measured!r}, max_norm={max_norm!r}, skip=False)"
         c.now(call)
-        out = backend.rescale(prepared, scale, norm, max_norm, found)
+        out = backend.clip(prepared, scale, norm, max_norm, found)
         for path, leaf, host in zip(paths, _tree_leaves(out), hosts, strict=True):
             stored, want = c.host(leaf), _clipped(unscaled(host, scale), coef)
             if same_bits(stored, want):

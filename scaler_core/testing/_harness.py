@@ -75,21 +75,21 @@ class Check:
 
     # The operations as users call them: composed, once, from the backend's passes.
     def unscale(self, grads: Any, scale: Any) -> tuple[Any, Any]:
-        self.now("unscale (leaves(grads, writable=True), then unscale(leaves, scale))")
+        self.now("unscale (plan(grads, writable=True), then unscale(plan, scale))")
         return _ops.unscale(self.backend, grads, scale)
 
     def unscale_and_norm(self, grads: Any, scale: Any) -> tuple[Any, Any, Any]:
-        self.now("unscale_and_norm (leaves(grads, writable=True), then measure(write=True))")
+        self.now("unscale_and_norm (plan(grads, writable=True), then measure(write=True))")
         return _ops.unscale_and_norm(self.backend, grads, scale)
 
     def unscale_and_clip(
         self, grads: Any, scale: Any, max_norm: Any, reduce: Callable[[Any], Any] | None = None
     ) -> tuple[Any, Any, Any]:
-        self.now("unscale_and_clip (leaves(), measure(write=False), then rescale())")
+        self.now("unscale_and_clip (plan(), measure(write=False), then clip())")
         return _ops.unscale_and_clip(self.backend, grads, scale, max_norm, reduce)
 
     def find_non_finite(self, grads: Any) -> Any:
-        self.now("find_non_finite (leaves(grads, writable=False), then unscale(leaves, None))")
+        self.now("find_non_finite (plan(grads, writable=False), then unscale(plan, None))")
         return _ops.find_non_finite(self.backend, grads)
 
     def host(self, x: Any) -> np.ndarray:

@@ -433,7 +433,7 @@ class _ChecksTheInput(ArrayApiBackend):
 class _ClipWithoutClamp(ArrayApiBackend):
     """The clip coefficient without its ``min(coef, 1)``: a small norm scales gradients up."""
 
-    def rescale(self, leaves: Prepared, scale: Any, norm: Any, max_norm: float, skip: Any) -> Any:
+    def clip(self, leaves: Prepared, scale: Any, norm: Any, max_norm: float, skip: Any) -> Any:
         ns = leaves.ns
         flag = as_flag(ns, skip, "skip")
         coef = (ns.float32(1.0) / (norm + ns.float32(CLIP_EPS))) * ns.float32(max_norm)

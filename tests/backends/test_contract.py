@@ -210,7 +210,7 @@ def test_check_backend_catches_a_broken_backend(
         check_backend(broken, only=[check], **numpy)
 
 
-def _rescale_unclamped(leaves: Any, scale: Any, norm: Any, max_norm: float, skip: Any) -> Any:
+def _clip_unclamped(leaves: Any, scale: Any, norm: Any, max_norm: float, skip: Any) -> Any:
     """The clip with no ``min(coef, 1)``: a norm of 5 under max_norm=100 multiplies by 20."""
     from scaler_core.backends._numpy_reference import clip_in_place, unscaled_copy
 
@@ -288,9 +288,9 @@ def _with_namespace(namespace: type) -> Callable[[], Any]:
     ("make", "check", "member", "promise"),
     [
         (
-            lambda: _Delegating(rescale=_rescale_unclamped),
+            lambda: _Delegating(clip=_clip_unclamped),
             "norm_and_clip",
-            "rescale(",
+            "clip(",
             "clamped at 1",
         ),
         (
@@ -344,7 +344,7 @@ def test_the_namespace_duties_are_every_member_the_core_reads() -> None:
     ``xp.<member>`` the core's flag operations and transition read, no more, no fewer."""
     core = Path(sc.__file__).parent
     used = set()
-    for module in ("_ops.py", "_state.py"):
+    for module in ("_ops.py", "_state.py", "_rule.py"):
         used |= set(re.findall(r"\bxp\.(\w+)", (core / module).read_text(encoding="utf-8")))
     assert used == set(NAMESPACE_DUTIES)
 

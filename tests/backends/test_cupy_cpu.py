@@ -7,7 +7,7 @@ any device work. That is what the refusal tests here add to the contract suite
 (``test_contract.py``), which runs every rule on the CuPy backend only where a GPU
 is. The GPU tests are in ``test_cupy_gpu.py``.
 
-For the measure and rescale passes (``unscale_and_norm`` and ``unscale_and_clip``, as the
+For the measure and clip passes (``unscale_and_norm`` and ``unscale_and_clip``, as the
 core composes them in ``scaler_core._ops``) this file also checks, without a GPU,
 the PTX of their kernels (no flushing of subnormals, no floating-point atomics,
 a read-only first pass, a clip pass that reads the flag and the norm) and the
@@ -84,7 +84,7 @@ def test_numpy_use_never_imports_cupy() -> None:
         grads = {"w": np.ones(4, np.float32) * 65536}
         grads, found = sc.unscale(grads, state)
         state = sc.update(state, found)
-        scaler = sc.GradScaler()
+        scaler = sc.LossScaler()
         scaler.unscale([np.ones(3, np.float16)])
         scaler.update()
         leaked = sorted(m for m in sys.modules if m.split(".")[0] in {"cupy", "cupyx", "jax"})
@@ -370,7 +370,7 @@ def test_nccl_reducer_validates_its_arguments(
     with pytest.raises(sc.GradientTypeError, match="found="):
         sc_cupy.reduce_found(1, Comm())
     with pytest.raises(sc.InvalidArgumentError, match="reduce_found"):
-        sc.GradScaler(reduce_found="not callable")  # type: ignore[arg-type]
+        sc.LossScaler(reduce_found="not callable")  # type: ignore[arg-type]
 
 
 # ------------------------------------------------- norm and clip: validation
@@ -446,7 +446,7 @@ def test_refusals_come_in_the_numpy_backends_order(
     backend: Any, cupy_mod: Any, no_device_work: None
 ) -> None:
     """Several faults at once: max_norm first (the core checks it before any pass), then
-    the leaves (``leaves``), then the scale (the passes), as for NumPy."""
+    the leaves (``plan``), then the scale (the passes), as for NumPy."""
     numpy_backend = sc.get_backend("numpy")
     cases = [  # (scale, max_norm, leaf dtype) -> the error both backends raise
         (0.0, 0.0, np.float32, sc.InvalidArgumentError),
@@ -775,17 +775,17 @@ def test_plan_cache_hits_the_same_arrays_and_never_keeps_them_alive(
     backend = _cupy.CupyBackend()
 
     def plan_of(grads: Any) -> tuple[Any, list[Any]]:
-        prepared = backend.leaves(grads, writable=True)
+        prepared = backend.plan(grads, writable=True)
         return _cupy._plan_of(prepared), prepared.leaves
 
-    prepared = backend.leaves([a, b, t, None], writable=True)
+    prepared = backend.plan([a, b, t, None], writable=True)
     assert prepared.plan is None  # validated; the plan waits for the first pass
     assert built == []
     plan, leaves = plan_of([a, b, t, None])  # None leaves are skipped
     assert [x is y for x, y in zip(leaves, [a, b, t], strict=True)] == [True] * 3
     assert plan.strided == [2]
     assert built == [("float32", 1), ("float16", 1)]
-    assert backend.leaves([a, b, t], writable=True).plan is plan  # the fast path: same objects
+    assert backend.plan([a, b, t], writable=True).plan is plan  # the fast path: same objects
     assert plan_of({"x": [a, b], "y": t})[0] is plan  # any tree with the same leaves
     assert _cupy._plan_of(prepared) is plan  # built meanwhile: found in the cache
     assert len(built) == 2

@@ -146,7 +146,7 @@ def _quiet_numpy_reference() -> Any:
 
 def plan_of(grads: Any) -> Any:
     """The backend's launch plan for ``grads`` (the cached one for arrays seen before)."""
-    return _cupy._plan_of(CP.leaves(grads, writable=True))
+    return _cupy._plan_of(CP.plan(grads, writable=True))
 
 
 def device_copy(host: np.ndarray) -> Any:
@@ -443,8 +443,8 @@ def test_device_transition_equals_host_transition(cfg: sc.ScalerConfig, flags: l
 @gpu_only
 def test_grad_scaler_with_a_device_state_matches_numpy() -> None:
     cfg = sc.ScalerConfig(init_scale=1024.0, growth_interval=2)
-    gpu = sc.GradScaler(state=to_device(sc.init(cfg)))
-    cpu = sc.GradScaler(cfg)
+    gpu = sc.LossScaler(state=to_device(sc.init(cfg)))
+    cpu = sc.LossScaler(cfg)
     rng = np.random.default_rng(0)
     for step in range(6):
         h = [rng.standard_normal(100).astype(np.float16), rng.standard_normal(7).astype("f4")]
@@ -479,7 +479,7 @@ def test_the_step_performs_no_host_sync(monkeypatch: pytest.MonkeyPatch) -> None
         "b": base[::2],  # non-contiguous: unscaled through a contiguous copy
     }
     params = [xp.ones(10, np.float32)]
-    scaler = sc.GradScaler(state=state)
+    scaler = sc.LossScaler(state=state)
     # Warm up: compile the kernels and upload the chunk tables once.
     _ops.unscale(CP, grads, state.scale)
     _ops.find_non_finite(CP, grads)
@@ -501,7 +501,7 @@ def test_the_step_performs_no_host_sync(monkeypatch: pytest.MonkeyPatch) -> None
             loss = CP.scale_loss(xp.ones((), np.float32), new_state.scale)
     monkeypatch.undo()
     assert not bool(get(flag))
-    # 256 -> 1 (warm-up) -> 2**-8 (functional API) -> 2**-16 (GradScaler): all exact.
+    # 256 -> 1 (warm-up) -> 2**-8 (functional API) -> 2**-16 (LossScaler): all exact.
     assert to_host(grads["w"][0]).tolist()[:2] == [2.0**-16, 2.0**-16]
     assert to_host(base).tolist() == [2.0**-23, 2.0] * 4 + [2.0**-23]
     assert new_state.to_host().growth_tracker == 1
@@ -592,7 +592,7 @@ def test_nccl_found_reducer_on_one_rank() -> None:
         assert out.shape == ()
         assert out.dtype == np.bool_
         assert bool(get(out)) is flag
-    scaler = sc.GradScaler(reduce_found=reduce_found)
+    scaler = sc.LossScaler(reduce_found=reduce_found)
     scaler.unscale([xp.full(3, np.inf, np.float32)])
     assert scaler.should_skip_step() is True
 

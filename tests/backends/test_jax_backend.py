@@ -277,7 +277,7 @@ def test_reduce_found_ors_over_a_named_axis_and_facade_works_eagerly() -> None:
     with pytest.raises(sc.InvalidArgumentError, match="axis_name=None"):
         found_reducer(None)
 
-    scaler = sc.GradScaler(sc.ScalerConfig(growth_interval=1))
+    scaler = sc.LossScaler(sc.ScalerConfig(growth_interval=1))
     grads = scaler.unscale({"w": jnp.asarray([65536.0, 2.0])})
     assert grads["w"].tolist()[0] == 1.0
     assert scaler.should_skip_step() is False
@@ -286,7 +286,7 @@ def test_reduce_found_ors_over_a_named_axis_and_facade_works_eagerly() -> None:
     assert scaler.should_skip_step() is True
     scaler.update()
     assert sc.to_dict(scaler.state)["state"]["skipped_steps"] == 1
-    assert scaler.scale == 65536.0
+    assert scaler.current_scale() == 65536.0
 
 
 @pytest.mark.parametrize("bad", [-2.0, 0.0, float("inf"), float("nan"), 1e-40])
@@ -307,7 +307,7 @@ def test_a_bad_device_scale_is_refused_or_fails_closed(bad: float) -> None:
 
 
 def test_clip_decides_on_the_device_and_a_skip_returns_the_given_leaves() -> None:
-    """The rescale pass selects on the traced decision (one trace for both values, no
+    """The clip pass selects on the traced decision (one trace for both values, no
     host transfer): a skipped step gives the gradients as given, bit for bit; a step,
     the unscaled values times the coefficient of the measured norm."""
     from scaler_core.backends._numpy_reference import clip_in_place, unscaled_copy
@@ -344,7 +344,7 @@ def test_clip_decides_on_the_device_and_a_skip_returns_the_given_leaves() -> Non
 
 def test_the_passes_return_the_given_tree_where_they_compute_no_new_one() -> None:
     grads = {"w": jnp.asarray([2.0, jnp.inf])}
-    prepared = BACKEND.leaves(grads, writable=False)
+    prepared = BACKEND.plan(grads, writable=False)
     same, found = BACKEND.unscale(prepared, None)  # detection alone
     assert same is grads
     assert bool(found)
@@ -359,7 +359,7 @@ def test_the_passes_return_the_given_tree_where_they_compute_no_new_one() -> Non
 
 
 def test_an_eager_clip_unscales_each_leaf_once(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The rescale pass takes the measuring pass's unscaled leaves: outside ``jit``
+    """The clip pass takes the measuring pass's unscaled leaves: outside ``jit``
     nothing merges the two, so the leaves are unscaled once (one inverse scale made)."""
     from scaler_core.backends import _jax
 

@@ -987,7 +987,7 @@ def test_a_plan_takes_no_half_type_by_address() -> None:
 
 
 def test_a_clip_looks_for_shared_memory_once(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The measuring and the rescale pass of one clip share the answer to "do two
+    """The measuring and the clip pass of one clip share the answer to "do two
     arrays overlap?" (a sort of the arrays' spans) instead of each working it out."""
     calls: list[int] = []
     overlaps = fused._overlaps

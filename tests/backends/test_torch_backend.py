@@ -230,7 +230,7 @@ def test_float16_duplicates_that_overflow_only_once_summed_are_seen_by_every_che
     assert [f.item() for f in found.values()] == [1.0]  # PyTorch: inf once summed
     assert bool(sc.unscale([grad.clone()], 1.0)[1])
     assert bool(sc.find_non_finite([grad]))
-    facade = sc.GradScaler()
+    facade = sc.LossScaler()
     assert bool(facade.find_non_finite([grad]))
     assert [str(r) for r in sc.non_finite_leaves({"emb": grad})] == ["grads['emb']: 1 inf, 0 nan"]
     assert not grad.is_coalesced()  # the read-only checks left the caller's tensor as it was
@@ -343,7 +343,7 @@ def test_the_device_route_clips_with_pytorchs_coefficient_and_a_skip_leaves_valu
     monkeypatch: pytest.MonkeyPatch, dtype: Any
 ) -> None:
     """Off the CPU route (as on an accelerator, driven here with CPU tensors) the measure
-    unscales in place and the rescale multiplies by the coefficient, 1 on a skipped step:
+    unscales in place and the clip pass multiplies by the coefficient, 1 on a skipped step:
     PyTorch's clip of the unscaled values, and on a skip the values ``unscale_`` leaves."""
     from scaler_core.backends import _torch
 
@@ -371,12 +371,12 @@ def test_the_device_route_clips_with_pytorchs_coefficient_and_a_skip_leaves_valu
         assert torch.equal(u.view(torch.uint8), s.view(torch.uint8))
 
 
-def test_rescale_without_a_read_only_measure_is_refused() -> None:
+def test_clip_without_a_read_only_measure_is_refused() -> None:
     for grads in ([torch.ones(3)], [torch.ones(3).to_sparse()]):
-        handle = BACKEND.leaves(grads, writable=True)
+        handle = BACKEND.plan(grads, writable=True)
         with pytest.raises(sc.LifecycleError, match=r"measure\(write=False\)"):
-            BACKEND.rescale(handle, 2.0, torch.tensor(1.0), 1.0, torch.tensor(False))
+            BACKEND.clip(handle, 2.0, torch.tensor(1.0), 1.0, torch.tensor(False))
         _, _, norm = BACKEND.measure(handle, 2.0, write=False)
-        BACKEND.rescale(handle, 2.0, norm, 1.0, torch.tensor(False))
-        with pytest.raises(sc.LifecycleError):  # one rescale per measure
-            BACKEND.rescale(handle, 2.0, norm, 1.0, torch.tensor(False))
+        BACKEND.clip(handle, 2.0, norm, 1.0, torch.tensor(False))
+        with pytest.raises(sc.LifecycleError):  # one clip per measure
+            BACKEND.clip(handle, 2.0, norm, 1.0, torch.tensor(False))

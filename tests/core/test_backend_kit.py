@@ -43,8 +43,8 @@ def test_a_device_namespace_from_torchs_own_functions_keeps_the_contract() -> No
 
     class KitNamespaced(sc.Backend):
         name = "torch"
-        leaves, unscale, measure = inner.leaves, inner.unscale, inner.measure
-        rescale, scale_loss = inner.rescale, inner.scale_loss
+        plan, unscale, measure = inner.plan, inner.unscale, inner.measure
+        clip, scale_loss = inner.clip, inner.scale_loss
 
         def namespace(self, *values: Any) -> Any:
             return xp

@@ -1,4 +1,4 @@
-"""A user's own transition plugs into GradScaler like the built-in one."""
+"""A user's own transition plugs into LossScaler like the built-in one."""
 
 from __future__ import annotations
 
@@ -21,18 +21,18 @@ def halve_twice(state: sc.ScalerState, found: Any) -> sc.ScalerState:
 
 
 def test_grad_scaler_uses_the_given_policy() -> None:
-    scaler = sc.GradScaler(policy=halve_twice)
+    scaler = sc.LossScaler(policy=halve_twice)
     scaler.unscale([np.array([np.inf], np.float32)])
     scaler.update()
-    assert scaler.scale == 2.0**16 / 4
+    assert scaler.current_scale() == 2.0**16 / 4
     scaler.unscale([np.array([1.0], np.float32)])
     scaler.update()
-    assert scaler.scale == 2.0**14
+    assert scaler.current_scale() == 2.0**14
     assert scaler.state.steps == 2
 
 
 def test_a_policy_that_returns_something_else_is_refused_by_name() -> None:
-    scaler = sc.GradScaler(policy=lambda state, found: 1.0)  # type: ignore[arg-type,return-value]
+    scaler = sc.LossScaler(policy=lambda state, found: 1.0)  # type: ignore[arg-type,return-value]
     scaler.unscale([np.array([1.0], np.float32)])
     before = scaler.state
     with pytest.raises(sc.InvalidStateError, match="must return a ScalerState"):
@@ -42,7 +42,7 @@ def test_a_policy_that_returns_something_else_is_refused_by_name() -> None:
 
 def test_a_non_callable_policy_is_refused() -> None:
     with pytest.raises(sc.InvalidArgumentError, match="policy=3"):
-        sc.GradScaler(policy=3)  # type: ignore[arg-type]
+        sc.LossScaler(policy=3)  # type: ignore[arg-type]
 
 
 _SPIKY = sc.ScalerConfig(spike_threshold=3.0, spike_window=4)
@@ -50,9 +50,9 @@ _SPIKY = sc.ScalerConfig(spike_threshold=3.0, spike_window=4)
 _NORMS = (1.0, 1.25, 0.75, 1.0, 50.0, np.inf, 1.0)
 
 
-def _step(scaler: sc.GradScaler, norm: float) -> sc.ScalerState:
+def _step(scaler: sc.LossScaler, norm: float) -> sc.ScalerState:
     """One step whose unscaled gradient has norm ``norm``."""
-    scaler.unscale_and_norm([np.array([norm * scaler.scale], np.float32)])
+    scaler.unscale_and_norm([np.array([norm * scaler.current_scale()], np.float32)])
     return scaler.update()
 
 
@@ -63,14 +63,14 @@ def test_a_two_argument_policy_runs_under_spike_skipping_with_the_core_deciding_
         seen.append(state.config)
         return halve_twice(state, found)  # calls sc.update(state, found): no norm to give
 
-    mine, builtin = sc.GradScaler(_SPIKY, policy=watched), sc.GradScaler(_SPIKY)
+    mine, builtin = sc.LossScaler(_SPIKY, policy=watched), sc.LossScaler(_SPIKY)
     for norm in _NORMS:
         new, ref = _step(mine, norm), _step(builtin, norm)
         if np.isfinite(norm):  # the spike included: the core's own step
             assert new == ref
         else:  # the overflow is the policy's: twice the backoff, the core's window
             assert new == dataclasses.replace(ref, scale=ref.scale / 2)
-            mine = sc.GradScaler(state=ref, policy=watched)
+            mine = sc.LossScaler(state=ref, policy=watched)
     assert (builtin.state.skipped_steps, builtin.state.norm_count) == (2, 4)
     # Called on every step but the spike, with a config it can hand to update().
     assert len(seen) == len(_NORMS) - 1
@@ -85,11 +85,11 @@ def test_a_three_argument_policy_gets_the_norm_of_the_step() -> None:
         new = sc.update(state, found, grad_norm=grad_norm)
         return dataclasses.replace(new, scale=min(new.scale, 2.0**15))
 
-    mine, builtin = sc.GradScaler(_SPIKY, policy=capped), sc.GradScaler(_SPIKY)
+    mine, builtin = sc.LossScaler(_SPIKY, policy=capped), sc.LossScaler(_SPIKY)
     for norm in _NORMS:
         new, ref = _step(mine, norm), _step(builtin, norm)
         assert new == dataclasses.replace(ref, scale=min(ref.scale, 2.0**15))
-        mine = sc.GradScaler(state=ref, policy=capped)
+        mine = sc.LossScaler(state=ref, policy=capped)
     assert norms == list(_NORMS)
 
 
@@ -115,7 +115,7 @@ def test_a_policy_that_cannot_take_its_arguments_is_refused_at_construction(
     policy: Any, config: sc.ScalerConfig, says: str
 ) -> None:
     with pytest.raises(sc.InvalidArgumentError) as err:
-        sc.GradScaler(config, policy=policy)
+        sc.LossScaler(config, policy=policy)
     message = str(err.value)
     assert re.search(r"^policy \S*<lambda> takes", message)
     assert says in message
@@ -125,7 +125,7 @@ def test_a_checkpoint_that_turns_spike_skipping_off_is_refused_for_a_norm_policy
     def needs_norm(state: sc.ScalerState, found: Any, grad_norm: Any) -> sc.ScalerState:
         return sc.update(state, found, grad_norm=grad_norm)
 
-    scaler = sc.GradScaler(_SPIKY, policy=needs_norm)
+    scaler = sc.LossScaler(_SPIKY, policy=needs_norm)
     before = scaler.state
     with pytest.raises(sc.InvalidArgumentError, match="give grad_norm a default"):
         scaler.load_state_dict(sc.to_dict(sc.init(sc.ScalerConfig())))

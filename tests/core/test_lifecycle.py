@@ -1,4 +1,4 @@
-"""The GradScaler facade enforces the order of one training step.
+"""The LossScaler facade enforces the order of one training step.
 
 Its rules are one table (``scaler_core._lifecycle.TRANSITIONS``); the tests below check
 the table is complete, that the facade follows it call by call (a hypothesis state
@@ -25,7 +25,7 @@ def grads_with(value: float) -> dict[str, np.ndarray]:
 
 
 def test_a_clean_step_then_a_skipped_step() -> None:
-    scaler = sc.GradScaler(sc.ScalerConfig(growth_interval=1))
+    scaler = sc.LossScaler(sc.ScalerConfig(growth_interval=1))
     loss = scaler.scale_loss(np.float32(0.25))
     assert loss == 2.0**14
     g = scaler.unscale(grads_with(2.0**17))
@@ -43,7 +43,7 @@ def test_a_clean_step_then_a_skipped_step() -> None:
 
 
 def test_groups_and_micro_batches_are_ored() -> None:
-    scaler = sc.GradScaler()
+    scaler = sc.LossScaler()
     scaler.find_non_finite(grads_with(1.0), group="encoder")  # micro-batch 1: clean
     scaler.find_non_finite(grads_with(np.nan), group="encoder")  # micro-batch 2: NaN
     scaler.unscale(grads_with(1.0), group="decoder")
@@ -55,7 +55,7 @@ def test_groups_and_micro_batches_are_ored() -> None:
 
 
 def test_unscaling_a_group_twice_is_an_error_that_says_what_to_do() -> None:
-    scaler = sc.GradScaler()
+    scaler = sc.LossScaler()
     g = grads_with(4.0)
     scaler.unscale(g, group="opt")
     with pytest.raises(
@@ -68,14 +68,14 @@ def test_unscaling_a_group_twice_is_an_error_that_says_what_to_do() -> None:
 
 @pytest.mark.parametrize("call", ["update", "should_skip_step"])
 def test_deciding_with_no_check_recorded(call: str) -> None:
-    scaler = sc.GradScaler()
+    scaler = sc.LossScaler()
     with pytest.raises(sc.LifecycleError, match="No inf checks were recorded prior to"):
         getattr(scaler, call)()
     assert scaler.state == sc.init()
 
 
 def test_step_twice_and_checking_after_the_decision() -> None:
-    scaler = sc.GradScaler()
+    scaler = sc.LossScaler()
     scaler.unscale(grads_with(1.0))
     scaler.step(lambda: None)
     with pytest.raises(sc.LifecycleError, match=r"step\(\) has already been called"):
@@ -88,13 +88,13 @@ def test_step_twice_and_checking_after_the_decision() -> None:
 
 
 def test_collapse_keeps_the_previous_state() -> None:
-    scaler = sc.GradScaler(sc.ScalerConfig(init_scale=2.0**-126))
+    scaler = sc.LossScaler(sc.ScalerConfig(init_scale=2.0**-126))
     before = scaler.state
     scaler.find_non_finite(grads_with(np.inf))
     with pytest.raises(sc.ScaleCollapseError):
         scaler.update()
     assert scaler.state is before
-    assert scaler.scale == 2.0**-126
+    assert scaler.current_scale() == 2.0**-126
 
 
 def test_reduce_found_is_applied_once_per_step() -> None:
@@ -104,22 +104,22 @@ def test_reduce_found_is_applied_once_per_step() -> None:
         seen.append(bool(found))
         return np.bool_(True)
 
-    scaler = sc.GradScaler(reduce_found=everyone_saw_nan)
+    scaler = sc.LossScaler(reduce_found=everyone_saw_nan)
     scaler.unscale(grads_with(1.0))
     assert scaler.should_skip_step()  # another replica overflowed
     assert scaler.update().skipped_steps == 1
     assert seen == [False]
     with pytest.raises(sc.InvalidArgumentError, match="reduce_found"):
-        sc.GradScaler(reduce_found=42)  # type: ignore[arg-type]
+        sc.LossScaler(reduce_found=42)  # type: ignore[arg-type]
 
 
 def test_state_dict_round_trip_and_mid_step_guard() -> None:
-    scaler = sc.GradScaler(sc.ScalerConfig(growth_interval=5, min_scale=1.0))
+    scaler = sc.LossScaler(sc.ScalerConfig(growth_interval=5, min_scale=1.0))
     for v in (1.0, np.inf, 1.0):
         scaler.unscale(grads_with(v))
         scaler.update()
     saved = scaler.state_dict()
-    resumed = sc.GradScaler()
+    resumed = sc.LossScaler()
     resumed.load_state_dict(saved)
     assert resumed.state == scaler.state
     scaler.unscale(grads_with(1.0))
@@ -131,16 +131,16 @@ def test_state_dict_round_trip_and_mid_step_guard() -> None:
 
 def test_resume_from_state_and_conflicting_config() -> None:
     state = sc.update(sc.init(), True)
-    assert sc.GradScaler(state=state).scale == 2.0**15
+    assert sc.LossScaler(state=state).current_scale() == 2.0**15
     with pytest.raises(sc.InvalidStateError, match=r"differs from state\.config"):
-        sc.GradScaler(sc.ScalerConfig(growth_interval=3), state=state)
+        sc.LossScaler(sc.ScalerConfig(growth_interval=3), state=state)
     with pytest.raises(sc.InvalidStateError, match="must be a ScalerState"):
-        sc.GradScaler(state={"scale": 1.0})  # type: ignore[arg-type]
-    assert "GradScaler(state=ScalerState(" in repr(sc.GradScaler())
+        sc.LossScaler(state={"scale": 1.0})  # type: ignore[arg-type]
+    assert "LossScaler(state=ScalerState(" in repr(sc.LossScaler())
 
 
 def test_static_no_op_mode_still_skips() -> None:
-    scaler = sc.GradScaler(sc.ScalerConfig.static())
+    scaler = sc.LossScaler(sc.ScalerConfig.static())
     g = grads_with(3.0)
     scaler.unscale(g)
     assert g["w"].tolist() == [3.0] * 3  # scale 1: nothing multiplied
@@ -161,7 +161,7 @@ def test_the_table_names_every_call_in_every_phase() -> None:
         assert TRANSITIONS[phase][Call.UPDATE] is sc.StepPhase.READY
 
 
-def _make_call(scaler: sc.GradScaler, call: Call, group: str) -> Callable[[], Any]:
+def _make_call(scaler: sc.LossScaler, call: Call, group: str) -> Callable[[], Any]:
     grads = grads_with(2.0**16)
     return {
         Call.SCALE_LOSS: lambda: scaler.scale_loss(np.float32(1.0)),
@@ -182,7 +182,7 @@ class FacadeFollowsTheTable(RuleBasedStateMachine):
 
     def __init__(self) -> None:
         super().__init__()
-        self.scaler = sc.GradScaler()
+        self.scaler = sc.LossScaler()
         self.phase = sc.StepPhase.READY
         self.unscaled: set[str] = set()
 
@@ -220,7 +220,7 @@ test_the_facade_follows_the_table = FacadeFollowsTheTable.TestCase
 
 def test_unscale_after_the_decision_unscales_nothing() -> None:
     """A refusal comes before any work: the late group is not unscaled (nor marked)."""
-    scaler = sc.GradScaler()
+    scaler = sc.LossScaler()
     scaler.unscale(grads_with(1.0), group="a")
     assert not scaler.should_skip_step()
     late = grads_with(2.0**16)
@@ -245,7 +245,7 @@ def test_unscale_after_the_decision_unscales_nothing() -> None:
 def test_a_refused_update_leaves_a_way_out(config: sc.ScalerConfig, error: type) -> None:
     """After a fail-closed refusal the step can be abandoned: the state is as before the
     step, and the scaler takes a checkpoint or a new step again."""
-    scaler = sc.GradScaler(config)
+    scaler = sc.LossScaler(config)
     saved = scaler.state_dict()
     refusal = None
     for _ in range(3):  # the skip limit needs a second overflow
@@ -269,14 +269,14 @@ def test_a_refused_update_leaves_a_way_out(config: sc.ScalerConfig, error: type)
     assert scaler.found_non_finite is None
     scaler.load_state_dict(saved)  # resume from a checkpoint ...
     assert scaler.state == sc.from_dict(saved)
-    scaler.unscale({"w": np.full(3, scaler.scale, np.float32)})  # ... and train on
+    scaler.unscale({"w": np.full(3, scaler.current_scale(), np.float32)})  # ... and train on
     assert not scaler.should_skip_step()
     assert scaler.update().steps == 1
 
 
 def test_messages_name_the_loss_and_the_flag_not_the_gradients() -> None:
     with pytest.raises(sc.GradientTypeError, match=r"^loss is a builtins\.float") as info:
-        sc.GradScaler().scale_loss(1.0)
+        sc.LossScaler().scale_loss(1.0)
     assert "grads" not in str(info.value)
     for bad in ([True], (np.bool_(True),), {"found": True}):
         with pytest.raises(sc.GradientTypeError, match=r"^found_non_finite=") as err:

@@ -17,7 +17,7 @@ import scaler_core as sc
 
 def test_unscale_and_clip_clips_a_taken_step_and_reports_it() -> None:
     reports: list[sc.StepReport] = []
-    scaler = sc.GradScaler(on_step=reports.append)
+    scaler = sc.LossScaler(on_step=reports.append)
     grads = {"w": np.array([6.0, 8.0], np.float32) * 65536}
     scaler.unscale_and_clip(grads, 1.0)
     assert float(scaler.grad_norm) == 10.0
@@ -34,7 +34,7 @@ def test_unscale_and_clip_clips_a_taken_step_and_reports_it() -> None:
 
 def test_a_skipped_step_is_not_touched_and_the_leaf_is_named() -> None:
     reports: list[sc.StepReport] = []
-    scaler = sc.GradScaler(on_step=reports.append, report_leaves=True)
+    scaler = sc.LossScaler(on_step=reports.append, report_leaves=True)
     grads = {"ok": np.ones(4, np.float32), "layer3": {"w": np.array([np.inf, 1.0], np.float32)}}
     before = {"ok": grads["ok"].copy(), "w": grads["layer3"]["w"].copy()}
     scaler.unscale_and_clip(grads, 1.0)
@@ -48,7 +48,7 @@ def test_a_skipped_step_is_not_touched_and_the_leaf_is_named() -> None:
 
 
 def test_an_earlier_group_s_overflow_skips_the_clipped_group_too() -> None:
-    scaler = sc.GradScaler()
+    scaler = sc.LossScaler()
     scaler.unscale([np.array([np.nan], np.float32)], group="first")
     second = [np.full(3, 8.0, np.float32)]
     scaler.unscale_and_clip(second, 1.0, group="second")
@@ -57,14 +57,14 @@ def test_an_earlier_group_s_overflow_skips_the_clipped_group_too() -> None:
 
 
 def test_the_reduced_flag_decides_the_write() -> None:
-    scaler = sc.GradScaler(reduce_found=lambda found: np.bool_(True))
+    scaler = sc.LossScaler(reduce_found=lambda found: np.bool_(True))
     grads = [np.full(3, 8.0, np.float32)]
     scaler.unscale_and_clip(grads, 1.0)
     assert np.all(grads[0] == 8.0)
 
 
 def test_unscale_and_norm_and_refusals() -> None:
-    scaler = sc.GradScaler()
+    scaler = sc.LossScaler()
     grads = [np.array([3.0, 4.0], np.float32) * 65536]
     scaler.unscale_and_norm(grads)
     assert float(scaler.grad_norm) == 5.0
@@ -77,11 +77,11 @@ def test_unscale_and_norm_and_refusals() -> None:
     assert scaler.phase is sc.StepPhase.READY
     assert grads[0].tolist() == [3.0, 4.0]
     with pytest.raises(sc.InvalidArgumentError, match="on_step="):
-        sc.GradScaler(on_step=3)  # type: ignore[arg-type]
+        sc.LossScaler(on_step=3)  # type: ignore[arg-type]
 
 
 def test_two_groups_norms_combine_as_one_vector() -> None:
-    scaler = sc.GradScaler(sc.ScalerConfig(init_scale=1.0))
+    scaler = sc.LossScaler(sc.ScalerConfig(init_scale=1.0))
     scaler.unscale_and_norm([np.array([3.0], np.float32)], group="a")
     scaler.unscale_and_norm([np.array([4.0], np.float32)], group="b")
     assert float(scaler.grad_norm) == pytest.approx(5.0)
@@ -89,22 +89,22 @@ def test_two_groups_norms_combine_as_one_vector() -> None:
 
 def test_a_spike_skips_the_optimizer_step_and_keeps_the_scale() -> None:
     config = sc.ScalerConfig(spike_threshold=3.0, spike_window=8)
-    scaler = sc.GradScaler(config)
+    scaler = sc.LossScaler(config)
     rng = np.random.default_rng(0)
     stepped = []
     for i in range(12):
         size = 100.0 if i == 10 else 1.0
-        grads = [rng.standard_normal(64).astype(np.float32) * size * scaler.scale]
+        grads = [rng.standard_normal(64).astype(np.float32) * size * scaler.current_scale()]
         scaler.unscale_and_norm(grads)
         stepped.append(scaler.step(lambda: True) is not None)
         scaler.update()
     assert stepped == [True] * 10 + [False, True]
     assert scaler.state.skipped_steps == 1
-    assert scaler.scale == 65536.0
+    assert scaler.current_scale() == 65536.0
 
 
 def test_spike_skipping_without_a_norm_is_refused_with_the_fix() -> None:
-    scaler = sc.GradScaler(sc.ScalerConfig(spike_threshold=3.0))
+    scaler = sc.LossScaler(sc.ScalerConfig(spike_threshold=3.0))
     scaler.unscale([np.ones(3, np.float32)])
     with pytest.raises(sc.InvalidArgumentError, match="unscale_and_norm"):
         scaler.should_skip_step()
@@ -152,7 +152,7 @@ def test_group_norms_combine_as_one_vector_even_at_the_extremes(
     library: str, planted: tuple[float, ...]
 ) -> None:
     array = _arrays(library)
-    scaler = sc.GradScaler(sc.ScalerConfig(init_scale=1.0))
+    scaler = sc.LossScaler(sc.ScalerConfig(init_scale=1.0))
     groups = []
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # no overflow or underflow warning either
@@ -180,7 +180,7 @@ def test_group_norms_combine_as_one_vector_even_at_the_extremes(
     )
 )
 def test_group_norms_combine_within_one_ulp_of_the_exact_norm(norms: list[float]) -> None:
-    scaler = sc.GradScaler(sc.ScalerConfig(init_scale=1.0))
+    scaler = sc.LossScaler(sc.ScalerConfig(init_scale=1.0))
     for i, value in enumerate(norms):
         scaler.unscale_and_norm([np.array([value], np.float32)], group=i)
     total = np.float32(scaler.grad_norm)

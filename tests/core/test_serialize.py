@@ -114,7 +114,7 @@ def test_hostile_input_only_ever_raises_invalid_state(data: Any) -> None:
 
 
 def test_failed_load_leaves_the_scaler_as_it_was() -> None:
-    scaler = sc.GradScaler()
+    scaler = sc.LossScaler()
     before = scaler.state
     with pytest.raises(sc.InvalidStateError):
         scaler.load_state_dict(edit(("state", "steps"), -5))
@@ -268,7 +268,7 @@ def test_a_state_from_dict_would_refuse_is_refused_by_to_dict_with_its_message(
     assert "hysteresis_tracker" in str(at_save.value)
     assert f"={tracker}, but it must be an int in [1, 2] (" in str(at_save.value)
     assert "max(1, its tracker)" in str(at_save.value)
-    scaler = sc.GradScaler(state=state)
+    scaler = sc.LossScaler(state=state)
     with pytest.raises(sc.InvalidStateError, match="hysteresis_tracker"):
         scaler.state_dict()
 

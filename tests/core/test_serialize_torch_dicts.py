@@ -40,7 +40,7 @@ def _dropin(config: sc.ScalerConfig, flags: list[bool]) -> Any:
     return scaler
 
 
-def _overflow(scaler: sc.GradScaler) -> None:
+def _overflow(scaler: sc.LossScaler) -> None:
     scaler.unscale({"w": np.array([np.inf], np.float32)})
     scaler.update()
 
@@ -50,7 +50,7 @@ def test_the_facade_loading_pytorchs_dict_keeps_its_own_policy() -> None:
     """PyTorch's dict carries four numbers and a tracker; every other knob (Megatron's
     floor of 1 and hysteresis of 2) stays the facade's, as the drop-in keeps its own."""
     config = sc.preset("megatron")
-    scaler = sc.GradScaler(config)
+    scaler = sc.LossScaler(config)
     scaler.load_state_dict(_theirs(init_scale=4.0, growth_interval=7))
     assert scaler.config == sc.ScalerConfig(
         init_scale=4.0,
@@ -63,7 +63,7 @@ def test_the_facade_loading_pytorchs_dict_keeps_its_own_policy() -> None:
     assert (scaler.state.scale, scaler.state.hysteresis_tracker) == (4.0, 2)
     for _ in range(8):
         _overflow(scaler)
-    assert scaler.scale == 1.0, "the floor of the megatron preset was lost"
+    assert scaler.current_scale() == 1.0, "the floor of the megatron preset was lost"
 
 
 def test_the_facade_and_the_dropin_load_pytorchs_dict_alike() -> None:
@@ -71,7 +71,7 @@ def test_the_facade_and_the_dropin_load_pytorchs_dict_alike() -> None:
 
     config = sc.preset("megatron")
     saved = _theirs(init_scale=2.0**10, growth_interval=3)
-    facade, dropin = sc.GradScaler(config), GradScaler("cpu", config=config)
+    facade, dropin = sc.LossScaler(config), GradScaler("cpu", config=config)
     facade.load_state_dict(saved)
     dropin.load_state_dict(saved)
     assert facade.state == dropin.state
@@ -79,7 +79,7 @@ def test_the_facade_and_the_dropin_load_pytorchs_dict_alike() -> None:
 
 
 def test_a_pytorch_dict_the_facades_bounds_refuse_changes_nothing() -> None:
-    scaler = sc.GradScaler(sc.preset("megatron"))
+    scaler = sc.LossScaler(sc.preset("megatron"))
     before = scaler.state
     with pytest.raises(sc.InvalidStateError, match=r"state_dict\['scale'\]=0\.5"):
         scaler.load_state_dict(_theirs(init_scale=0.5))
@@ -101,7 +101,7 @@ def test_from_dict_reads_the_dropins_state_dict() -> None:
 
 def test_the_facade_loads_the_dropins_state_dict() -> None:
     scaler, saved = _dropin_dict()
-    facade = sc.GradScaler()
+    facade = sc.LossScaler()
     facade.load_state_dict(saved)
     assert facade.state == scaler.state
     assert facade.config == scaler.config
@@ -131,7 +131,7 @@ def test_a_bad_payload_in_a_dropin_dict_is_named_by_its_key() -> None:
     bad = {**saved, TORCH_STATE_KEY: {**saved[TORCH_STATE_KEY], "version": 99}}
     with pytest.raises(sc.InvalidStateError, match=r"state_dict\['scaler_core'\]\['version'\]"):
         sc.from_dict(bad)
-    scaler = sc.GradScaler()
+    scaler = sc.LossScaler()
     before = scaler.state
     with pytest.raises(sc.InvalidStateError, match="version"):
         scaler.load_state_dict(bad)
@@ -142,7 +142,7 @@ def test_a_bad_payload_in_a_dropin_dict_is_named_by_its_key() -> None:
 def test_the_dropin_loads_the_facades_state_dict() -> None:
     from scaler_core.torch import GradScaler
 
-    facade = sc.GradScaler(sc.ScalerConfig(growth_interval=3, hysteresis=2, min_scale=1.0))
+    facade = sc.LossScaler(sc.ScalerConfig(growth_interval=3, hysteresis=2, min_scale=1.0))
     for value in (1.0, np.inf, 1.0):
         facade.unscale({"w": np.array([value], np.float32)})
         facade.update()

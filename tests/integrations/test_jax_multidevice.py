@@ -17,7 +17,7 @@ SCRIPT = r"""
 import numpy as np, jax, jax.numpy as jnp, optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 import scaler_core as sc
-from scaler_core.optax import loss_scaled, loss_scale
+from scaler_core.optax import current_scale, scale_loss, with_loss_scaling
 from scaler_core.jax import reduce_found, to_device
 
 assert jax.device_count() == 8, jax.devices()
@@ -43,15 +43,15 @@ _, found = jax.jit(sc.unscale)(gs, state)
 assert bool(found)
 
 # 3. Many steps with random per-replica faults: replicas stay identical.
-tx = loss_scaled(optax.adam(1e-2), sc.ScalerConfig(init_scale=2.0**8, growth_interval=3),
-                 axis_name="d")
+tx = with_loss_scaling(optax.adam(1e-2), sc.ScalerConfig(init_scale=2.0**8, growth_interval=3),
+                       axis_name="d")
 
 def train(params, opt_state, x, y, fault):
     # Each replica sees a leading axis of 1: its own copy of the state and its batch.
     params, opt_state = jax.tree_util.tree_map(lambda a: a[0], (params, opt_state))
     x, y, fault = x[0], y[0], fault[0, 0]
     def loss(p):
-        return jnp.mean((x @ p["w"] - y) ** 2) * loss_scale(opt_state)
+        return scale_loss(jnp.mean((x @ p["w"] - y) ** 2), opt_state)
     grads = jax.lax.pmean(jax.grad(loss)(params), "d")  # data parallel: one mean gradient
     # A fault on this replica only, after the mean: without the OR, replicas would diverge.
     grads = jax.tree_util.tree_map(lambda a: jnp.where(fault, jnp.inf, a), grads)
@@ -80,10 +80,10 @@ assert int(opt_state.scaler.skipped_steps[0]) == skips > 0, (skips, opt_state.sc
 
 # 4. pmap: host-side looks read the replicated state as one state, raise a recorded
 # failure, and refuse replicas that disagree instead of picking one.
-tx = loss_scaled(optax.sgd(0.1), sc.ScalerConfig(init_scale=2.0**-125), axis_name="d")
+tx = with_loss_scaling(optax.sgd(0.1), sc.ScalerConfig(init_scale=2.0**-125), axis_name="d")
 
 def pstep(params, opt_state, bad):
-    g = jnp.where(bad, jnp.inf, 1.0) * jnp.ones(2) * loss_scale(opt_state)
+    g = jnp.where(bad, jnp.inf, 1.0) * jnp.ones(2) * current_scale(opt_state)
     updates, opt_state = tx.update({"w": g}, opt_state, params)
     return optax.apply_updates(params, updates), opt_state
 
@@ -91,16 +91,16 @@ pstep = jax.pmap(pstep, axis_name="d")
 params = {"w": jnp.ones((n, 2))}
 opt_state = jax.pmap(tx.init)(params)
 assert opt_state.scaler.current_scale() == 2.0**-125
-assert float(loss_scale(opt_state)[0]) == 2.0**-125
+assert float(current_scale(opt_state)[0]) == 2.0**-125
 assert sc.to_dict(opt_state.scaler)["state"]["scale"] == 2.0**-125
 for bad in (False, True, True, False):  # the second overflow collapses: recorded
     params, opt_state = pstep(params, opt_state, jnp.full((n,), bad))
 frozen = np.asarray(params["w"])
 params, opt_state = pstep(params, opt_state, jnp.zeros((n,), bool))
 assert np.array_equal(np.asarray(params["w"]), frozen)
-assert np.asarray(opt_state.found).all()
+assert np.asarray(opt_state.skipped).all()
 for look in (opt_state.scaler.check, opt_state.scaler.current_scale,
-             lambda: sc.to_dict(opt_state.scaler), lambda: loss_scale(opt_state)):
+             lambda: sc.to_dict(opt_state.scaler), lambda: current_scale(opt_state)):
     try:
         look()
     except sc.ScaleCollapseError as exc:

@@ -456,7 +456,7 @@ def test_a_static_scale_never_touches_the_trackers_under_jit() -> None:
 
 def test_without_float64_a_factor_float32_cannot_hold_is_refused_with_the_fix() -> None:
     """JAX without jax_enable_x64 has no float64 to form PyTorch's product in."""
-    from scaler_core.optax import loss_scaled
+    from scaler_core.optax import with_loss_scaling
 
     cfg = sc.ScalerConfig(backoff_factor=0.9)
     assert not jax.config.read("jax_enable_x64")
@@ -464,32 +464,32 @@ def test_without_float64_a_factor_float32_cannot_hold_is_refused_with_the_fix() 
         sc.update(to_device(sc.init(cfg)), jnp.asarray(True))
     optax = pytest.importorskip("optax")
     with pytest.raises(sc.InvalidConfigError, match=r"jax_enable_x64"):
-        loss_scaled(optax.sgd(0.1), cfg)
+        with_loss_scaling(optax.sgd(0.1), cfg)
 
 
 def _collapsing_loop() -> tuple[Any, Any, Any]:
     """A jitted optax step, and its params and optimizer state two overflows from a
     collapse (2**-125 backs off to 2**-126, then to a subnormal: refused)."""
     optax = pytest.importorskip("optax", reason="the optax wrapper needs optax")
-    from scaler_core.optax import loss_scale, loss_scaled
+    from scaler_core.optax import current_scale, with_loss_scaling
 
-    tx = loss_scaled(optax.adam(0.1), sc.ScalerConfig(init_scale=2.0**-125))
+    tx = with_loss_scaling(optax.adam(0.1), sc.ScalerConfig(init_scale=2.0**-125))
     params = {"w": jnp.ones(3)}
 
     @jax.jit
     def step(params: Any, opt_state: Any, bad: Any) -> Any:
-        g = jnp.where(bad, jnp.inf, 1.0) * jnp.ones(3) * loss_scale(opt_state)
+        g = jnp.where(bad, jnp.inf, 1.0) * jnp.ones(3) * current_scale(opt_state)
         updates, opt_state = tx.update({"w": g}, opt_state, params)
         return optax.apply_updates(params, updates), opt_state
 
     return step, params, tx.init(params)
 
 
-def test_after_a_recorded_collapse_loss_scaled_applies_nothing_and_says_so() -> None:
+def test_after_a_recorded_collapse_with_loss_scaling_applies_nothing_and_says_so() -> None:
     """The collapse is recorded inside jit; every later step, finite gradients
     included, leaves the parameters and the optimizer state as they were, the state
     says so on the device, and the first host-side look raises."""
-    from scaler_core.optax import loss_scale
+    from scaler_core.optax import current_scale
 
     step, params, opt_state = _collapsing_loop()
     params, opt_state = step(params, opt_state, jnp.asarray(False))  # a real step
@@ -501,11 +501,11 @@ def test_after_a_recorded_collapse_loss_scaled_applies_nothing_and_says_so() -> 
     before = [np.asarray(x).tobytes() for x in jax.tree_util.tree_leaves((params, opt_state))]
     for _ in range(3):  # finite gradients: nothing may move until the user acts
         params, opt_state = step(params, opt_state, jnp.asarray(False))
-        assert bool(opt_state.found)  # a device bool a loop can log, no host sync
+        assert bool(opt_state.skipped)  # a device bool a loop can log, no host sync
     after = [np.asarray(x).tobytes() for x in jax.tree_util.tree_leaves((params, opt_state))]
     assert after == before
     for look in (
-        lambda: loss_scale(opt_state),
+        lambda: current_scale(opt_state),
         opt_state.scaler.check,
         opt_state.scaler.current_scale,
         lambda: sc.to_dict(opt_state.scaler),

@@ -158,7 +158,7 @@ def test_large_trees_give_the_rules_bits_and_a_norm_within_one_ulp(dtype: np.dty
     exact = _exactly_rounded_norm(want)
     assert abs(f32_bits(norm.item()) - f32_bits(exact)) <= 1, (norm.item(), exact)
     _, found, measured = sc.get_backend("mlx").measure(
-        sc.get_backend("mlx").leaves(leaves, writable=False), 512.0, write=False
+        sc.get_backend("mlx").plan(leaves, writable=False), 512.0, write=False
     )
     assert measured.item() == norm.item()
     assert found.item() is False

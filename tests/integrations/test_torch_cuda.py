@@ -155,7 +155,7 @@ def test_a_scale_below_one_on_the_device_is_decided_there(no_sync: None) -> None
 
 
 def test_unscale_and_clip_on_cuda_never_synchronises_and_clips_as_pytorch() -> None:
-    """The device route: the measure unscales in place, the rescale multiplies by the
+    """The device route: the measure unscales in place, the clip pass multiplies by the
     coefficient (``_ops.clip_coefficient`` on the device, 1 where the step is skipped),
     with no host synchronisation; the result is PyTorch's clip of the unscaled values,
     and a skip leaves them unscaled."""

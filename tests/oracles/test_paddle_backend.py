@@ -91,7 +91,7 @@ class InputDetection(pb.PaddleBackend):
 class Unclamped(pb.PaddleBackend):
     """The clip coefficient max_norm / (norm + 1e-6) without its clamp at 1."""
 
-    def rescale(self, leaves, scale, norm, max_norm, skip):
+    def clip(self, leaves, scale, norm, max_norm, skip):
         xp, inv = pb.XP, inverse_scale(pb.XP, scale)
         coef = xp.float32(1.0) / (norm + xp.float32(1e-6)) * xp.float32(max_norm)
         for g in leaves[1]:
@@ -107,10 +107,10 @@ class WritesWhenMeasuring(pb.PaddleBackend):
 
 
 class ClipsSkippedSteps(pb.PaddleBackend):
-    """rescale writes on a skipped step too."""
+    """clip writes on a skipped step too."""
 
-    def rescale(self, leaves, scale, norm, max_norm, skip):
-        return super().rescale(leaves, scale, norm, max_norm, False)
+    def clip(self, leaves, scale, norm, max_norm, skip):
+        return super().clip(leaves, scale, norm, max_norm, False)
 
 
 def namespace_with(**members):
@@ -234,7 +234,7 @@ def test_every_contract_check_passes(paddle_report: dict[str, Any]) -> None:
 CAUGHT = {
     "InputDetection": ("unscale_values", "flagged False, not True"),
     "Unclamped": ("norm_and_clip", "clamped at 1"),
-    # measure(write=False) then rescale: the values are unscaled twice
+    # measure(write=False) then clip: the values are unscaled twice
     "WritesWhenMeasuring": ("norm_and_clip", "did not store the unscaled values times"),
     "ClipsSkippedSteps": ("norm_and_clip", "wrote to the gradients of a skipped step"),
     "FloatIsBool": ("namespace", "isdtype(asarray(2.0, dtype=float32).dtype, 'bool')"),

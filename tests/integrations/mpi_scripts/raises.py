@@ -25,7 +25,7 @@ args = parser.parse_args()
 comm = MPI.COMM_WORLD
 rank = comm.Get_rank()
 config = sc.ScalerConfig(init_scale=2.0**-126 if rank == 1 else 2.0**16)
-scaler = sc.GradScaler(config, reduce_found=found_reducer(comm))
+scaler = sc.LossScaler(config, reduce_found=found_reducer(comm))
 
 guard = abort_on_error(comm) if args.guard else contextlib.nullcontext()
 try:

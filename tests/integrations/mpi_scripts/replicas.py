@@ -5,9 +5,9 @@ overflows happen too, at different steps on different ranks), unscales its *loca
 decides whether to skip, averages the gradients with ``MPI_Allreduce`` (every rank, every step)
 and applies a momentum step unless skipping. ``--mode``:
 
-* ``facade``: ``GradScaler(reduce_found=found_reducer(comm))``;
+* ``facade``: ``LossScaler(reduce_found=found_reducer(comm))``;
 * ``functional``: ``unscale`` + ``reduce_found`` + ``update``;
-* ``local``: ``GradScaler`` without the reduction (what the reduction prevents).
+* ``local``: ``LossScaler`` without the reduction (what the reduction prevents).
 
 Rank 0 writes what every rank did to ``--out`` as JSON.
 """
@@ -49,7 +49,7 @@ w = np.zeros(DIM, np.float32)
 m = np.zeros(DIM, np.float32)
 data = np.random.default_rng([args.seed, 1 + rank])  # each rank its own data
 
-scaler = sc.GradScaler(config, reduce_found=found_reducer(comm) if args.mode == "facade" else None)
+scaler = sc.LossScaler(config, reduce_found=found_reducer(comm) if args.mode == "facade" else None)
 state = sc.init(config)
 decisions: list[bool] = []
 local_flags: list[bool] = []
@@ -70,7 +70,7 @@ with abort_on_error(comm):
         noise = np.float32(0.1) * data.standard_normal(BATCH).astype(np.float32)
         err = x @ w - (x @ w_true + noise)
         grad = 2.0 * x.T @ err / BATCH
-        scale = scaler.scale if args.mode != "functional" else state.scale
+        scale = scaler.current_scale() if args.mode != "functional" else state.scale
         with np.errstate(over="ignore"):  # a float16 overflow is the point: it gives inf
             g16 = {"w": (grad * np.float32(scale)).astype(np.float16)}
         if victim == rank:

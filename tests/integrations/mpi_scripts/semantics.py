@@ -41,7 +41,7 @@ for pattern in itertools.product([False, True], repeat=size):
     table.append([list(pattern), "bool, timeout", got_type, bool(got)])
 out["table"] = table
 
-# The GradScaler hook: one reduction per step, whatever the number of groups and queries.
+# The LossScaler hook: one reduction per step, whatever the number of groups and queries.
 calls = []
 reduce = found_reducer(comm)
 
@@ -51,7 +51,7 @@ def counting(found: object) -> np.bool_:
     return reduce(found)
 
 
-scaler = sc.GradScaler(reduce_found=counting)
+scaler = sc.LossScaler(reduce_found=counting)
 g = [np.array([1.0, np.inf if rank == 1 else 2.0], np.float32)]
 scaler.unscale(g, group="a")
 scaler.unscale([np.ones(2, np.float32)], group="b")

@@ -22,7 +22,7 @@ args = parser.parse_args()
 
 comm = MPI.COMM_WORLD
 rank = comm.Get_rank()
-scaler = sc.GradScaler(reduce_found=found_reducer(comm, timeout=args.timeout))
+scaler = sc.LossScaler(reduce_found=found_reducer(comm, timeout=args.timeout))
 batches = 3 if rank == 1 else 1000
 
 with abort_on_error(comm):

@@ -12,7 +12,6 @@ imported). Backend modules themselves load lazily, on first use.
 from __future__ import annotations
 
 import inspect
-import math
 import operator
 from collections.abc import Callable, Iterable
 from typing import Any, Protocol, runtime_checkable
@@ -396,6 +395,8 @@ def backend_for(*trees: Any, default: str = _registry.DEFAULT, root: str = "grad
     """
     if len(trees) == 1:
         known = _same_flat_container(trees[0])
+        if known is None:
+            known = _flat_container_backend(trees[0])
         if known is not None:
             return known
     found: _registry.Claim | None = None
@@ -422,14 +423,13 @@ def backend_for(*trees: Any, default: str = _registry.DEFAULT, root: str = "grad
                     f"array; one call takes arrays of one library: convert them, or make one "
                     f"call per library"
                 )
-    backend = get_backend(default if found is None else found.backend)
-    if len(trees) == 1:
-        _remember_flat_container(trees[0], backend)
-    return backend
+    return get_backend(default if found is None else found.backend)
 
 
 #: The fewest elements whose array's truth is ambiguous (``bool`` raises).
 _AMBIGUOUS = 2
+#: An array's element count, read in C.
+_SIZE = operator.attrgetter("size")
 #: The last flat list, tuple or dict of arrays dispatched: its kind, a list of its
 #: arrays, whether they are all host arrays, and its backend. A loop that hands the same
 #: arrays every step finds its backend in one C-level comparison.
@@ -444,6 +444,28 @@ def _flat_children(tree: Any) -> list[Any] | None:
     if kind is list or kind is tuple:
         return list(tree)
     return None
+
+
+def _flat_container_backend(tree: Any) -> Backend | None:
+    """The backend of a flat list, tuple or dict of arrays of one library, found from the
+    distinct types of its children (one claim per type, not per array), and remembered;
+    ``None`` for anything else (a nested tree, ``None`` children, an unclaimed value),
+    which the walk then dispatches leaf by leaf, and words any error."""
+    children = _flat_children(tree)
+    if not children:
+        return None
+    kinds = set(map(type, children))
+    if len(kinds) == 1:
+        samples = [children[0]]
+    else:  # a few kinds: one child of each
+        samples = [next(c for c in children if type(c) is kind) for kind in kinds]
+    owners = [_registry.claim(sample) for sample in samples]
+    claims = [o for o in owners if o is not None]
+    if len(claims) != len(owners) or len({o.library for o in claims}) != 1:
+        return None
+    backend = get_backend(claims[0].backend)
+    _remember_flat_container(tree, children, all(o.host for o in claims), backend)
+    return backend
 
 
 def _same_flat_container(tree: Any) -> Backend | None:
@@ -471,21 +493,18 @@ def _same_flat_container(tree: Any) -> Backend | None:
     return last[3] if same else None
 
 
-def _remember_flat_container(tree: Any, backend: Backend) -> None:
-    """Remember ``tree``'s arrays if it is a flat list, tuple or dict of arrays of two
-    or more elements each: only then does :func:`_same_flat_container`'s ``==`` tell
-    the same host arrays from others."""
-    children = _flat_children(tree)
-    if not children:
-        return
-    host = True
-    for leaf in children:
-        shape = getattr(leaf, "shape", None)
-        owner = None if shape is None else _registry.claim(leaf)
-        if owner is None or shape is None or math.prod(shape) < _AMBIGUOUS:
+def _remember_flat_container(tree: Any, children: list[Any], host: bool, backend: Backend) -> None:
+    """Remember ``tree``'s ``children`` (arrays of one library, all ``host`` arrays or
+    none) for :func:`_same_flat_container`. Host arrays are remembered only when each
+    has two elements or more: only then does ``==`` tell them from others."""
+    if host:
+        try:
+            smallest = min(map(_SIZE, children))
+        except (AttributeError, TypeError):  # a host array type without a size
+            smallest = 0
+        if smallest < _AMBIGUOUS:
             _LAST_FLAT[0] = None
             return
-        host = host and owner.host
     _LAST_FLAT[0] = (type(tree), children, host, backend)
 
 

@@ -139,11 +139,28 @@ def test_a_changed_flat_list_is_walked_again(change: str) -> None:
 def test_single_element_arrays_are_not_remembered(monkeypatch: pytest.MonkeyPatch) -> None:
     """Two one-element arrays of equal value compare equal by value: such a list is not
     remembered, since == could not tell another array from the same one."""
+    from scaler_core import _backend  # its memory of the last dispatch
+
+    sc.backend_for([np.ones(2, np.float32), np.ones(3, np.float32)])
+    assert _backend._LAST_FLAT[0] is not None
     grads = [np.ones(1, np.float32), np.ones(1, np.float32)]
-    sc.backend_for(grads)
+    assert sc.backend_for(grads) is sc.get_backend("numpy")
+    assert _backend._LAST_FLAT[0] is None  # forgotten, not replaced by these
+
+
+def test_a_new_list_of_arrays_is_dispatched_by_its_types_not_leaf_by_leaf(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Two lists used in turn (two optimizers' gradients): each call is a new list, found
+    from the distinct types of its arrays, one claim per type."""
+    first = [np.ones(4, np.float32) for _ in range(100)]
+    second = [np.ones(4, np.float64) for _ in range(99)] + [np.ones(4, np.float32)]
+    sc.backend_for(first)
     seen = _counting_claims(monkeypatch)
-    sc.backend_for(grads)
-    assert len(seen) >= len(grads)  # every leaf looked at again
+    for _ in range(3):
+        assert sc.backend_for(second) is sc.get_backend("numpy")
+        assert sc.backend_for(first) is sc.get_backend("numpy")
+    assert len(seen) <= 6  # one claim per type and call, not 100
 
 
 def test_no_jax_tracer_is_compared_across_two_traces() -> None:

@@ -14,11 +14,14 @@ cannot change while the tensor stays the same object; its memory can (``resize_`
 A plan holds the parameters (the optimizer holds them anyway) and only weak
 references to the gradients, so no gradient outlives its step because of it. A
 sparse gradient is never planned (PyTorch's walk may replace it by its coalesced
-sum).
+sum). An optimizer whose gradients are new tensors every step (``zero_grad()``'s
+default) stops being kept after two misses, so it pays for the walk alone, and is
+tried again every 64 steps.
 """
 
 from __future__ import annotations
 
+import functools
 import operator
 import weakref
 from collections import defaultdict
@@ -44,16 +47,19 @@ class Step(NamedTuple):
     buckets: Buckets
 
 
+def _no_grad() -> None:
+    """What a plan holds for a parameter that had no gradient: it reads ``None``."""
+
+
 class _Cached:
     """What a plan keeps between calls."""
 
-    __slots__ = ("__weakref__", "dead", "layout", "params", "refs")
+    __slots__ = ("layout", "nones", "params", "refs")
 
     def __init__(self, params: list[torch.Tensor], grads: list[Any], buckets: Buckets) -> None:
         self.params = params
-        self.dead = False  # set when a planned gradient is freed: the plan no longer holds
-        gone = _Gone(self)
-        self.refs = [None if g is None else weakref.ref(g, gone) for g in grads]
+        self.refs = [_no_grad if g is None else weakref.ref(g) for g in grads]
+        self.nones = _nones(grads)
         at = {id(g): i for i, g in enumerate(grads) if g is not None}
         self.layout = [
             (device, dtype, [at[id(t)] for t in tensors])
@@ -62,13 +68,16 @@ class _Cached:
         ]
 
     def holds(self, params: list[torch.Tensor], grads: list[Any]) -> bool:
-        """Whether ``params`` and ``grads`` are, one by one, the objects planned."""
-        if self.dead or len(params) != len(self.params):
+        """Whether ``params`` and ``grads`` are, one by one, the objects planned.
+
+        Compared lazily, stopping at the first difference (a new gradient, most often
+        the first). A planned gradient since freed reads ``None``: the count of
+        ``None`` then differs from the plan's, so it is never taken for a parameter
+        that has no gradient."""
+        if len(params) != len(self.params) or not all(map(operator.is_, params, self.params)):
             return False
-        if not all(map(operator.is_, params, self.params)):
-            return False
-        alive = [None if r is None else r() for r in self.refs]
-        return all(map(operator.is_, grads, alive))
+        alive = map(_CALL, self.refs)
+        return all(map(operator.is_, grads, alive)) and _nones(grads) == self.nones
 
     def buckets(self, grads: list[Any]) -> Buckets:
         out: Buckets = {}
@@ -77,32 +86,34 @@ class _Cached:
         return out
 
 
-class _Gone:
-    """The callback of a plan's weak references: marks the plan dead, without keeping
-    it alive (a freed gradient's slot reads ``None``, like a parameter without one)."""
+def _nones(grads: list[Any]) -> int:
+    """How many of ``grads`` are ``None`` (by identity: ``list.count`` would ask each
+    tensor's ``==``, a torch operation apiece)."""
+    return sum(map(_IS_NONE, grads))
 
-    __slots__ = ("plan",)
 
-    def __init__(self, plan: _Cached) -> None:
-        self.plan = weakref.ref(plan)
-
-    def __call__(self, _ref: Any) -> None:
-        plan = self.plan()
-        if plan is not None:
-            plan.dead = True
+_IS_NONE = functools.partial(operator.is_, None)
+#: Calls a weak reference (or :func:`_no_grad`), in C.
+_CALL = operator.methodcaller("__call__")
+#: After this many misses in a row (new gradients every step: ``zero_grad()``'s
+#: default) an optimizer is planned afresh without keeping the plan, but for one
+#: call in every ``_RETRY``, which notices a loop that now keeps its gradients.
+_MISSES, _RETRY = 2, 64
 
 
 class Plans:
     """The last plan of each optimizer a drop-in stepped (see the module docstring)."""
 
-    __slots__ = ("_cached",)
+    __slots__ = ("_cached", "_misses")
 
     def __init__(self) -> None:
         self._cached: dict[tuple[int, bool], _Cached] = {}
+        self._misses: dict[tuple[int, bool], int] = {}
 
     def clear(self) -> None:
         """Forget every plan (a pickled or copied scaler starts without)."""
         self._cached.clear()
+        self._misses.clear()
 
     def of(
         self,
@@ -118,21 +129,25 @@ class Plans:
         key = (id(optimizer), allow_fp16)
         cached = self._cached.get(key)
         if cached is not None and cached.holds(params, grads):
+            self._misses[key] = 0
             return Step(params, grads, cached.buckets(grads))
-        buckets = _walk(params, allow_fp16, coalesce_half)
-        grads = [p.grad for p in params]  # a sparse float16 one may have been coalesced
-        if any(g is not None and g.is_sparse for g in grads):
+        buckets, sparse = _walk(params, allow_fp16, coalesce_half)
+        if sparse:  # a sparse float16 one may have been coalesced: never kept
             self._cached.pop(key, None)
-        else:
+            return Step(params, [p.grad for p in params], buckets)
+        misses = self._misses[key] = self._misses.get(key, 0) + 1
+        if misses <= _MISSES or misses % _RETRY == 0:
             self._cached[key] = _Cached(params, grads, buckets)
         return Step(params, grads, buckets)
 
 
 def _walk(
     params: list[Any], allow_fp16: bool, coalesce_half: Callable[[torch.Tensor], torch.Tensor]
-) -> Buckets:
-    """PyTorch's walk of ``unscale_``: the gradients by device and dtype, with its errors."""
+) -> tuple[Buckets, bool]:
+    """PyTorch's walk of ``unscale_``: the gradients by device and dtype, with its errors,
+    and whether any is sparse."""
     buckets: Buckets = defaultdict(lambda: defaultdict(list))
+    sparse = False
     with torch.no_grad():
         for param in params:
             if not isinstance(param, torch.Tensor):
@@ -145,8 +160,9 @@ def _walk(
             if (not allow_fp16) and grad.dtype == torch.float16:
                 raise ValueError("Attempting to unscale FP16 gradients.")  # PyTorch's error
             if grad.is_sparse:
+                sparse = True
                 if grad.dtype is torch.float16:
                     param.grad = grad = coalesce_half(grad)
                 grad = grad._values()
             buckets[grad.device][grad.dtype].append(grad)
-    return buckets
+    return buckets, sparse

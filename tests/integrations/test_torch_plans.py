@@ -258,3 +258,47 @@ def test_the_inverse_scale_follows_every_write_of_the_scale() -> None:
         theirs.update(new_scale)
         assert ours.get_scale() == theirs.get_scale()
     assert ours.state.steps == len(writes)
+
+
+def test_new_gradients_every_step_are_walked_without_keeping_a_plan_then_kept_again(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``zero_grad()``'s default brings new gradient tensors every step: after two
+    misses nothing is kept (no weak reference made per gradient), and a loop that
+    then keeps its gradients is planned again within 64 steps."""
+    params, opt = _model()
+    scaler = GradScaler("cpu", init_scale=2.0**10)
+    scaler.scale(torch.ones(()))
+    made: list[int] = []
+    cached = _plan._Cached
+
+    def counted(*args: Any) -> Any:
+        made.append(1)
+        return cached(*args)
+
+    monkeypatch.setattr(_plan, "_Cached", counted)
+    walks = _walks(monkeypatch, params)
+    for step in range(6):  # new tensors each step
+        opt.zero_grad(set_to_none=True)
+        _fill(params, step)
+        scaler.unscale_(opt)
+        scaler.step(opt)
+        scaler.update()
+    assert len(walks) == 6
+    assert len(made) == 2  # kept twice, then no more
+    for step in range(70):  # the same tensors from now on
+        _fill(params, step)
+        want, _ = _expected(params, None)
+        scaler.unscale_(opt)
+        for p, w in zip(params, want, strict=True):
+            assert torch.equal(p.grad, w)
+        scaler.step(opt)
+        scaler.update()
+    assert 6 < len(walks) < 6 + 64
+    before = len(walks)
+    for step in range(5):
+        _fill(params, step)
+        scaler.unscale_(opt)
+        scaler.step(opt)
+        scaler.update()
+    assert len(walks) == before  # kept again

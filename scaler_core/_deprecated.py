@@ -62,14 +62,14 @@ def module_getattr(module: str, renamed: Mapping[str, str]) -> Callable[[str], A
     """A module ``__getattr__`` that serves each old name of ``renamed`` (old -> new) as
     the new one, with a warning, and raises ``AttributeError`` for any other name."""
 
-    def served(name: str) -> Any:
+    def __getattr__(name: str) -> Any:  # noqa: N807 - the module attribute it becomes
         new = renamed.get(name)
         if new is None:
             raise AttributeError(f"module {module!r} has no attribute {name!r}")
         warn(f"{module}.{name}", f"{module}.{new}")
         return getattr(sys.modules[module], new)
 
-    return served
+    return __getattr__
 
 
 def _forwarder(owner: type, old: str, new: str) -> Callable[..., Any]:

@@ -624,7 +624,8 @@ class GradScaler(torch.amp.GradScaler):
             )
         else:
             if len(found_infs) == 0:
-                raise AssertionError("No inf checks were recorded prior to update.")  # PyTorch's
+                message = "No inf checks were recorded prior to update."
+                raise AssertionError(message)  # PyTorch's error
             flag = held.step_flag(found_infs, scale)
             new = held.advance(scale, tracker, flag)
         self._per_optimizer_states = defaultdict(_refresh_per_optimizer_state)

@@ -22,6 +22,12 @@ Cases (``--cases``, all by default):
 * ``torch_device_update``: ``get_backend("torch").update(state, flag)`` with a 0-d bool
   tensor (the device transition on CPU tensors: the flag check and the library check);
 * ``torch_unscale``: ``sc.unscale`` on 200 torch tensors of 256 float32 (scale 1.0);
+* ``numpy_unscale_2000_unnamed`` / ``_named``: ``sc.unscale`` on 2000 NumPy arrays of 256
+  float32, the backend found from the arrays / named;
+* ``dropin_cycle_1`` / ``_200``: the drop-in's ``unscale_``, ``step``, ``update`` on 1 /
+  200 parameters of 256 float32 (foreach SGD, learning rate 0, the same gradients);
+* ``dropin_clip_2000``: the drop-in's ``unscale_and_clip_(opt, 1.0)``, ``step``,
+  ``update`` on 2000 parameters of 256 float32;
 * ``jax_update``: ``sc.update(state, flag)`` with a JAX flag, eagerly;
 * ``jax_jit_update`` / ``_spikes``: a ``jax.jit`` of ``sc.update(state, flag)`` (and of
   ``sc.update(state, flag, norm)`` with spike skipping on), the state, the flag and the
@@ -59,6 +65,11 @@ CASES = (
     "find_non_finite_named",
     "torch_device_update",
     "torch_unscale",
+    "numpy_unscale_2000_unnamed",
+    "numpy_unscale_2000_named",
+    "dropin_cycle_1",
+    "dropin_cycle_200",
+    "dropin_clip_2000",
     "jax_update",
     "jax_jit_update",
     "jax_jit_update_spikes",
@@ -66,7 +77,7 @@ CASES = (
 
 
 # ------------------------------------------------------------------ the worker
-def _build(case: str) -> Callable[[], Any] | None:  # noqa: PLR0911 - one return per case
+def _build(case: str) -> Callable[[], Any] | None:  # noqa: PLR0911, PLR0912 - a branch per case
     """One call of ``case``, ready to time; ``None`` where its library is missing."""
     import numpy as np  # noqa: PLC0415
 
@@ -88,6 +99,11 @@ def _build(case: str) -> Callable[[], Any] | None:  # noqa: PLR0911 - one return
         if case == "find_non_finite_named":
             return lambda: sc.find_non_finite(grads, backend="numpy")
         return lambda: sc.find_non_finite(grads)
+    if case.startswith("numpy_unscale_2000"):
+        arrays = [np.ones(256, np.float32) for _ in range(2000)]
+        if case.endswith("_named"):
+            return lambda: sc.unscale(arrays, 1.0, backend="numpy")
+        return lambda: sc.unscale(arrays, 1.0)
     if case.startswith("jax"):
         return _build_jax(case, state)
     try:
@@ -100,7 +116,37 @@ def _build(case: str) -> Callable[[], Any] | None:  # noqa: PLR0911 - one return
     if case == "torch_unscale":
         tgrads = [torch.ones(256) for _ in range(200)]
         return lambda: sc.unscale(tgrads, 1.0)
+    if case.startswith("dropin"):
+        return _build_dropin(case)
     raise SystemExit(f"paired: unknown case {case!r}")
+
+
+def _build_dropin(case: str) -> Callable[[], Any]:
+    """A drop-in step on ``case``'s parameters: the same gradients every call (scale 1,
+    a learning rate of 0), as a loop that zeroes them in place sees them."""
+    import torch  # noqa: PLC0415
+
+    from scaler_core.torch import GradScaler  # noqa: PLC0415
+
+    count = int(case.rsplit("_", 1)[1])
+    params = [torch.nn.Parameter(torch.ones(256)) for _ in range(count)]
+    for p in params:
+        p.grad = torch.full((256,), 0.5)
+    opt = torch.optim.SGD(params, lr=0.0, foreach=True)
+    scaler = GradScaler("cpu", init_scale=1.0, growth_interval=10**6)
+    scaler.scale(torch.ones(()))
+
+    def cycle() -> None:
+        scaler.unscale_(opt)
+        scaler.step(opt)
+        scaler.update()
+
+    def clip() -> None:
+        scaler.unscale_and_clip_(opt, 1.0)
+        scaler.step(opt)
+        scaler.update()
+
+    return clip if case.startswith("dropin_clip") else cycle
 
 
 def _spiking() -> Any:

@@ -35,7 +35,7 @@ from ._state import (
     step_skipped,
 )
 
-__all__ = ["TRANSITIONS", "Call", "LossScaler", "StepPhase", "StepReport"]
+__all__ = ["TRANSITIONS", "Call", "LossScaler", "StepPhase", "StepReport", "check_hooks"]
 
 T = TypeVar("T")
 DEFAULT_GROUP = "default"
@@ -184,6 +184,22 @@ class StepReport:
         return self.state.current_scale()
 
 
+def check_hooks(on_step: object, report_leaves: object) -> None:
+    """Refuse a scaler's per-step hooks that cannot serve: ``on_step`` a callable taking
+    a :class:`StepReport` (or ``None``), ``report_leaves`` a bool. The facade and the
+    PyTorch drop-in take the same two.
+
+    Raises:
+        InvalidArgumentError: Either is something else.
+    """
+    if on_step is not None and not callable(on_step):
+        raise InvalidArgumentError(
+            f"on_step={on_step!r}, but it must be a callable taking a StepReport (or None)"
+        )
+    if not isinstance(report_leaves, bool):
+        raise InvalidArgumentError(f"report_leaves={report_leaves!r}, but it must be a bool")
+
+
 def _combined_norm(backend: Backend, norms: list[Any]) -> Any:
     """The L2 norm of several gradient groups from their norms (0-d float32 arrays).
 
@@ -263,12 +279,7 @@ class LossScaler:
             )
         self._policy = policy
         self._step = self._policy_step(self._state.config)  # refuses a policy before any step
-        if on_step is not None and not callable(on_step):
-            raise InvalidArgumentError(
-                f"on_step={on_step!r}, but it must be a callable taking a StepReport (or None)"
-            )
-        if not isinstance(report_leaves, bool):
-            raise InvalidArgumentError(f"report_leaves={report_leaves!r}, but it must be a bool")
+        check_hooks(on_step, report_leaves)
         self._on_step = on_step
         self._report_leaves = report_leaves
         self._norms: dict[Hashable, Any] = {}

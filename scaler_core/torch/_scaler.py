@@ -21,7 +21,7 @@ from .. import _ops
 from .._backend import get_backend
 from .._config import ScalerConfig
 from .._errors import InvalidArgumentError
-from .._lifecycle import StepReport
+from .._lifecycle import StepReport, check_hooks
 from .._report import LeafReport, non_finite_leaves
 from .._serialize import TORCH_STATE_KEY, load_dict, to_dict
 from .._state import ScalerState
@@ -121,12 +121,7 @@ class GradScaler(torch.amp.GradScaler):
             device, init_scale, growth_factor, backoff_factor, growth_interval, enabled
         )
         self._process_group = process_group
-        if on_step is not None and not callable(on_step):
-            raise InvalidArgumentError(
-                f"on_step={on_step!r}, but it must be a callable taking a StepReport (or None)"
-            )
-        if not isinstance(report_leaves, bool):
-            raise InvalidArgumentError(f"report_leaves={report_leaves!r}, but it must be a bool")
+        check_hooks(on_step, report_leaves)
         self._on_step = on_step
         self._report_leaves = report_leaves
         self._leaves: list[LeafReport] = []

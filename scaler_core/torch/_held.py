@@ -59,8 +59,9 @@ class HeldState:
         #: Whether :attr:`extra` is behind :attr:`mirror`: the host route writes
         #: PyTorch's two tensors at each update and the others only when read.
         self.behind = False
-        #: The last inverse scale made, by the scale tensor's identity and version.
-        self.inverse_of: tuple[tuple[int, int], torch.Tensor] | None = None
+        #: The last inverse scale made: the scale tensor (held, so its identity is
+        #: never another's), its version then, the inverse.
+        self.inverse_of: tuple[torch.Tensor, int, torch.Tensor] | None = None
 
     @classmethod
     def of(cls, config: ScalerConfig) -> HeldState:
@@ -138,11 +139,10 @@ class HeldState:
         """``1 / scale`` as PyTorch's ``unscale_`` makes it (in float64, then float32),
         kept while the scale tensor is the same and unwritten (its version counter,
         which every in-place write bumps; no value is read)."""
-        key = (id(scale), scale._version)
         kept = self.inverse_of
-        if kept is None or kept[0] != key:
-            kept = self.inverse_of = (key, scale.double().reciprocal().float())
-        return kept[1]
+        if kept is None or kept[0] is not scale or kept[1] != scale._version:
+            kept = self.inverse_of = (scale, scale._version, scale.double().reciprocal().float())
+        return kept[2]
 
     @staticmethod
     def host_route(scale: torch.Tensor) -> bool:

@@ -84,6 +84,19 @@ def jax_leaves(grads: Any, root: str = "grads") -> tuple[list[Any], Any, list[st
     return leaves, treedef, paths
 
 
+def _once(leaves: list[Any], values: list[Any]) -> list[Any]:
+    """``values`` (one per leaf) without those of a leaf given again: an array that
+    appears twice in a tree (a tied weight's gradient) is one gradient, counted once in
+    the norm, as every other backend counts it (at trace time: the same tracer)."""
+    seen: set[int] = set()
+    out = []
+    for leaf, value in zip(leaves, values, strict=True):
+        if id(leaf) not in seen:
+            seen.add(id(leaf))
+            out.append(value)
+    return out
+
+
 #: Leaves with at most this many elements are checked together, in one flat
 #: buffer per dtype: on XLA's CPU backend every leaf's reduction costs two or
 #: three kernels (microseconds each) and compile time grows steeply with their
@@ -341,7 +354,7 @@ class JaxBackend(Backend):
         out, inv = _unscaled(leaves, scale)
         found = non_finite(leaves.leaves, inv, out)
         grads = jax.tree_util.tree_unflatten(leaves.treedef, out) if write else leaves.grads
-        return grads, found, _norm(out)
+        return grads, found, _norm(_once(leaves.leaves, out))
 
     def clip(self, leaves: Prepared, scale: Any, norm: Any, max_norm: float, skip: Any) -> Any:
         """See :meth:`scaler_core.Backend.clip`: a new tree, leaf by leaf the given

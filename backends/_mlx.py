@@ -368,19 +368,31 @@ class Prepared:
     Attributes:
         grads: The gradient tree as given (returned as it is where nothing is
             computed).
-        leaves: Its leaves (``None`` skipped), in :func:`leaves_with_paths` order.
+        leaves: Its leaves (``None`` skipped), in :func:`leaves_with_paths` order, each
+            array once: one given twice (a tied weight's gradient) is one gradient,
+            counted once in the norm.
         dtypes: Their dtypes, the key of the compiled passes.
     """
 
-    __slots__ = ("dtypes", "grads", "leaves")
+    __slots__ = ("at", "dtypes", "grads", "leaves")
 
     def __init__(self, grads: Any, leaves: list[mx.array]) -> None:
-        self.grads, self.leaves = grads, leaves
-        self.dtypes = tuple(g.dtype for g in leaves)
+        self.grads = grads
+        first: dict[int, int] = {}
+        self.leaves: list[mx.array] = []
+        #: For each leaf of the tree, the index of its array in :attr:`leaves`.
+        self.at: list[int] = []
+        for g in leaves:
+            i = first.setdefault(id(g), len(self.leaves))
+            if i == len(self.leaves):
+                self.leaves.append(g)
+            self.at.append(i)
+        self.dtypes = tuple(g.dtype for g in self.leaves)
 
     def tree(self, out: Sequence[mx.array]) -> Any:
-        """A tree of ``grads``'s structure holding ``out``, leaf for leaf."""
-        it = iter(out)
+        """A tree of ``grads``'s structure holding ``out`` (one per array of
+        :attr:`leaves`), leaf for leaf."""
+        it = iter([out[i] for i in self.at])
         return map_pairs(lambda _path, _a, _b: next(it), self.grads, self.grads, root="grads")
 
 

@@ -45,7 +45,8 @@ def check_norm_and_clip(c: Check) -> None:
     norm, the coefficient clamped at 1 (a norm below ``max_norm`` changes nothing), writes
     nothing on a skipped step (a planted NaN, or ``reduce`` saying skip), and refuses a bad
     ``max_norm`` before anything changes; on a tree of every dtype, ``measure`` without
-    ``write`` writes nothing, and nothing at all on leaves made with ``writable=False``."""
+    ``write`` writes nothing, and nothing at all on leaves made with ``writable=False``;
+    an array given twice (a tied weight) is counted once in the norm."""
     for i, dtype in enumerate(c.subject.dtypes):
         host = gradients(dtype, 1024.0, 37, seed=900 + i)
         want = unscaled(host, 1024.0)
@@ -92,6 +93,21 @@ def check_norm_and_clip(c: Check) -> None:
         )
     if not same_bits(c.host(given[0]), before):
         raise c.fail("a refused unscale_and_clip changed the gradients")
+    _check_tied_norm(c)
+
+
+def _check_tied_norm(c: Check) -> None:
+    """One array given twice (a tied weight's gradient) is one gradient: its squares are
+    counted once in the norm, as every other pass counts it once."""
+    host = gradients(c.subject.dtypes[-1], 1024.0, 37, seed=31)
+    exact = _exact_norm([unscaled(host, 1024.0)])
+    tied = c.array(host.copy())
+    got = float(c.host(c.unscale_and_norm([tied, tied], 1024.0)[2]))
+    if abs(got - exact) > 1e-6 * exact:
+        raise c.fail(
+            f"unscale_and_norm of one array given twice gave norm {got!r}; counted once it "
+            f"is {exact!r} (counted twice, {exact * math.sqrt(2)!r})"
+        )
 
 
 def _clip_tree(c: Check, scale: float, nan_at: int | None = None) -> tuple[Any, ...]:

@@ -9,21 +9,14 @@ import sys
 from pathlib import Path
 
 import pytest
+from common_commands import run_command
 
-ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = "benchmarks/bench_mlx.py"
 ROWS = {"scaler_core", "scaler_core_clip", "naive", "naive_clip", "copy"}
 
 
 def _run(*argv: str, timeout: float) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, SCRIPT, *argv],
-        capture_output=True,
-        text=True,
-        check=False,
-        cwd=ROOT,
-        timeout=timeout,
-    )
+    return run_command(sys.executable, SCRIPT, *argv, timeout=timeout)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

@@ -9,20 +9,13 @@ import sys
 from pathlib import Path
 
 import pytest
+from common_commands import run_command
 
-ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = "benchmarks/bench_tensors.py"
 
 
 def _run(*argv: str, timeout: float) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, SCRIPT, *argv],
-        capture_output=True,
-        text=True,
-        check=False,
-        cwd=ROOT,
-        timeout=timeout,
-    )
+    return run_command(sys.executable, SCRIPT, *argv, timeout=timeout)
 
 
 def test_the_tensor_bench_times_every_row_at_every_count(tmp_path: Path) -> None:

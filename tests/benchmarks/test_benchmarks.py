@@ -11,15 +11,14 @@ from types import ModuleType
 
 import numpy as np
 import pytest
+from common_commands import run_command
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 def _run(*argv: str, timeout: float) -> subprocess.CompletedProcess[str]:
     """A benchmark command line, run from the repository root."""
-    return subprocess.run(
-        list(argv), capture_output=True, text=True, check=False, cwd=ROOT, timeout=timeout
-    )
+    return run_command(*argv, timeout=timeout)
 
 
 def test_bound_kernel_multiplies_every_element_in_place(

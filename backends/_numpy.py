@@ -33,6 +33,7 @@ from typing import Any
 
 import numpy as np
 
+from scaler_core._backend import forget_dispatch
 from scaler_core._errors import BackendUnavailableError
 from scaler_core._ops import clip_coefficient
 
@@ -167,8 +168,10 @@ class NumpyBackend(NumpyReferenceBackend):
         return self._why
 
     def clear_cache(self) -> None:
-        """Drop the cached plans and with them the references to gradient arrays."""
+        """Drop the cached plans and the remembered dispatch, and with them the
+        references to gradient arrays."""
         self._cache.clear()
+        forget_dispatch()
 
     def __repr__(self) -> str:
         arg = "" if self._use_numba is None else f"use_numba={self._use_numba!r}"

@@ -530,6 +530,13 @@ class TorchBackend(Backend):
         :data:`UNSCALED_ON_SKIP`)."""
         return self if self.unscale_skipped else UNSCALED_ON_SKIP
 
+    def clear_cache(self) -> None:
+        """Drop the kept plans of lists of many small CPU tensors (:mod:`._torch_plans`)
+        and with them the references to those tensors, as the NumPy backend's
+        ``clear_cache`` drops its own (the dispatch of a flat container remembers no
+        tensor)."""
+        _KEPT.clear()
+
     def plan(self, grads: Any, *, writable: bool) -> Leaves:
         """See :meth:`scaler_core.Backend.plan`: every leaf validated, each tensor once.
 

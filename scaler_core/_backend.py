@@ -333,7 +333,7 @@ def register_backend(
     'numpy'
     """
     _registry.register(name, loader, array_modules=array_modules, replace=replace)
-    _LAST_FLAT[0] = None  # a remembered dispatch may now belong to another backend
+    forget_dispatch()  # a remembered dispatch may now belong to another backend
 
 
 def get_backend(name: str | Backend = _registry.DEFAULT) -> Backend:
@@ -430,10 +430,10 @@ def backend_for(*trees: Any, default: str = _registry.DEFAULT, root: str = "grad
 _AMBIGUOUS = 2
 #: An array's element count, read in C.
 _SIZE = operator.attrgetter("size")
-#: The last flat list, tuple or dict of arrays dispatched: its kind, a list of its
-#: arrays, whether they are all host arrays, and its backend. A loop that hands the same
-#: arrays every step finds its backend in one C-level comparison.
-_LAST_FLAT: list[tuple[type, list[Any], bool, Backend] | None] = [None]
+#: The last flat list, tuple or dict of host arrays dispatched: its kind, a list of its
+#: arrays, and its backend. A loop that hands the same arrays every step finds its
+#: backend in one C-level comparison.
+_LAST_FLAT: list[tuple[type, list[Any], Backend] | None] = [None]
 
 
 def _flat_children(tree: Any) -> list[Any] | None:
@@ -472,40 +472,43 @@ def _same_flat_container(tree: Any) -> Backend | None:
     """The backend of ``tree`` when it is a list, tuple or dict holding the very arrays
     of the last one remembered, in order, else ``None``.
 
-    Host arrays (NumPy's) are compared with ``==`` of two lists, which compares identity
-    first: a differing pair (each of two elements or more, as remembered) compares by
-    value, which raises (an array's truth is ambiguous) or answers False, a miss. A
-    device library's arrays are compared by identity alone: ``==`` on them could be an
-    operation of a trace (a JAX tracer remembered from one ``jax.jit`` would leak into
-    the next)."""
+    Only host arrays (NumPy's) are remembered, and compared with ``==`` of two lists,
+    which compares identity first: a differing pair (each of two elements or more, as
+    remembered) compares by value, which raises (an array's truth is ambiguous) or
+    answers False, a miss."""
     last = _LAST_FLAT[0]
     if last is None or type(tree) is not last[0]:
         return None
     children = _flat_children(tree)
     if children is None or len(children) != len(last[1]):
         return None
-    if not last[2]:
-        return last[3] if all(map(operator.is_, children, last[1])) else None
     try:
         same = bool(last[1] == children)
     except Exception:  # an array's ambiguous truth: not the same arrays
         return None
-    return last[3] if same else None
+    return last[2] if same else None
 
 
 def _remember_flat_container(tree: Any, children: list[Any], host: bool, backend: Backend) -> None:
-    """Remember ``tree``'s ``children`` (arrays of one library, all ``host`` arrays or
-    none) for :func:`_same_flat_container`. Host arrays are remembered only when each
-    has two elements or more: only then does ``==`` tell them from others."""
+    """Remember ``tree``'s ``children`` (arrays of one library) for
+    :func:`_same_flat_container` when they are host arrays of two elements or more
+    each: only then does ``==`` tell them from others. A device library's arrays are
+    not remembered: holding them would keep a step's gradients alive on the device
+    until the next call (and ``==`` on a JAX tracer would be an operation of its
+    trace); their types find their backend at each call."""
+    smallest = 0
     if host:
         try:
             smallest = min(map(_SIZE, children))
         except (AttributeError, TypeError):  # a host array type without a size
             smallest = 0
-        if smallest < _AMBIGUOUS:
-            _LAST_FLAT[0] = None
-            return
-    _LAST_FLAT[0] = (type(tree), children, host, backend)
+    _LAST_FLAT[0] = (type(tree), children, backend) if smallest >= _AMBIGUOUS else None
+
+
+def forget_dispatch() -> None:
+    """Forget the remembered flat container (and with it the references to its arrays):
+    what ``register_backend`` and a backend's ``clear_cache`` do."""
+    _LAST_FLAT[0] = None
 
 
 def resolve_backend(backend: str | Backend | None, *trees: Any) -> Backend:

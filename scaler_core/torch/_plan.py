@@ -110,11 +110,6 @@ class Plans:
         self._cached: dict[tuple[int, bool], _Cached] = {}
         self._misses: dict[tuple[int, bool], int] = {}
 
-    def clear(self) -> None:
-        """Forget every plan (a pickled or copied scaler starts without)."""
-        self._cached.clear()
-        self._misses.clear()
-
     def of(
         self,
         optimizer: torch.optim.Optimizer,

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import gc
 import types
+import weakref
 from typing import Any
 
 import numpy as np
@@ -185,3 +187,27 @@ def test_a_new_registration_forgets_the_remembered_dispatch(request: Any) -> Non
     numpy = sc.get_backend("numpy")
     sc.register_backend("fakelib_e", lambda: numpy, array_modules=["fakelib_e"])
     assert sc.backend_for(grads) is numpy
+
+
+def test_a_device_librarys_arrays_are_not_held_after_their_call() -> None:
+    """Remembering a device library's arrays would keep a step's gradients alive on the
+    device until the next call: they are dispatched by their types, and let go."""
+    torch = pytest.importorskip("torch")
+    grads = [torch.ones(4) for _ in range(8)]
+    assert sc.backend_for(grads).name == "torch"
+    held = weakref.ref(grads[0])
+    del grads
+    gc.collect()
+    assert held() is None
+
+
+def test_clear_cache_forgets_the_remembered_host_arrays() -> None:
+    grads = [np.ones(4, np.float32) for _ in range(8)]
+    assert sc.backend_for(grads).name == "numpy"
+    held = weakref.ref(grads[0])
+    del grads
+    gc.collect()
+    assert held() is not None  # remembered: the next call with them is one comparison
+    sc.get_backend("numpy").clear_cache()
+    gc.collect()
+    assert held() is None

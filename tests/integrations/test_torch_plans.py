@@ -302,3 +302,18 @@ def test_new_gradients_every_step_are_walked_without_keeping_a_plan_then_kept_ag
         scaler.step(opt)
         scaler.update()
     assert len(walks) == before  # kept again
+
+
+def test_clear_cache_lets_the_kept_tensors_go() -> None:
+    pytest.importorskip("numba")
+    import scaler_core as sc
+
+    grads = [torch.full((8,), 4.0) for _ in range(COUNT)]
+    sc.unscale_and_clip(grads, 2.0, 1.0)  # a plan of them is kept, holding them
+    held = weakref.ref(grads[0])
+    del grads
+    gc.collect()
+    assert held() is not None
+    sc.get_backend("torch").clear_cache()
+    gc.collect()
+    assert held() is None
